@@ -1,0 +1,44 @@
+"""fsdp2: fully sharded data parallelism for PyTorch.
+
+Drop-in for ``torch.distributed.fsdp``'s ``fully_shard`` API: switch by changing the import.
+Reading order for the implementation: ``_fully_shard`` (API) -> ``_init`` (validation,
+discovery) -> ``_state`` (hooks, lazy init, final callback) -> ``_param_group`` (per-group
+unshard/reshard/reduce) -> ``_param`` (one parameter's views) -> ``_collectives`` ->
+``_stream_utils``. ``docs/design.md`` indexes the named notes.
+"""
+
+from fsdp2._checkpoint import (
+    ModelOptimizerState,
+    get_full_state_dict,
+    init_sharded_,
+    load_checkpoint,
+    load_full_state_dict,
+    save_checkpoint,
+)
+from fsdp2._fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
+from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "ModelOptimizerState",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "get_full_state_dict",
+    "init_sharded_",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "register_fsdp_forward_method",
+    "save_checkpoint",
+    "share_comm_ctx",
+]

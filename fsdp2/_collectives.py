@@ -1,0 +1,78 @@
+"""Collectives on flat buffers: tensors, process groups and streams in; nothing about
+parameters or modules.
+
+Each function issues one collective and returns a ``PendingCollective`` that the caller
+waits on when it needs the result. The ``torch.distributed`` function is looked up at call
+time (``dist.all_gather_single`` rather than a reference bound at import), so tests and
+tools that patch ``torch.distributed`` see every collective we issue.
+
+Device handling: on an accelerator the collective is issued synchronously under a side
+stream, so that the side stream (not the CPU) waits for it, and an event recorded there
+orders the consumer. On the CPU the collective is issued with ``async_op=True`` so gloo
+runs it on its own threads while Python goes on, and the consumer waits on the ``Work``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fsdp2._stream_utils import Event, Stream, record_event, use_stream, wait_event
+
+
+class PendingCollective(NamedTuple):
+    """A collective in flight: wait on ``work`` (CPU) or ``event`` (accelerator)."""
+
+    work: Any  # dist.Work or None
+    event: Event
+
+
+def wait(pending: PendingCollective | None, consumer: Stream) -> None:
+    """Order ``consumer`` (or, on the CPU, the calling thread) after ``pending``."""
+    if pending is None:
+        return
+    if pending.work is not None:
+        pending.work.wait()
+    wait_event(consumer, pending.event)
+
+
+def _issue(stream: Stream, call: Any, *args: Any, **kwargs: Any) -> PendingCollective:
+    if stream is None:
+        work = call(*args, async_op=True, **kwargs)
+        return PendingCollective(work, None)
+    with use_stream(stream):
+        call(*args, async_op=False, **kwargs)
+        return PendingCollective(None, record_event(stream))
+
+
+def all_gather_flat(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, stream: Stream
+) -> PendingCollective:
+    """Gather every rank's equal-sized 1-D ``input`` into ``output``, rank-major."""
+    call = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return _issue(stream, call, output, input, group=group)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    stream: Stream,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> PendingCollective:
+    """Sum ``input`` (rank-major, ``world_size * output.numel()``) over ranks, scattering
+    chunk ``rank`` into ``output``."""
+    call = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return _issue(stream, call, output, input, op=op, group=group)
+
+
+def all_reduce_flat(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    stream: Stream,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> PendingCollective:
+    """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction)."""
+    return _issue(stream, dist.all_reduce, tensor, op=op, group=group)

@@ -1,0 +1,439 @@
+"""The public API: ``fully_shard``, ``FSDPModule`` and ``register_fsdp_forward_method``.
+
+``fully_shard`` does not wrap the module. It replaces parameters in place with DTensor
+shards, registers hooks, and changes ``type(module)`` to a subclass ``FSDP<Name>`` of both
+the original class and ``FSDPModule``, so the module keeps its methods, FQNs and
+``state_dict()`` keys and gains the FSDP control methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp2._init import (
+    check_param_device,
+    check_reshard_after_forward_type,
+    collect_params,
+    mark_managed,
+    mesh_device,
+    move_states_to_device,
+    post_forward_group,
+    resolve_mesh,
+    shard_dim_of,
+    validate_modules,
+    validate_reshard_after_forward,
+    validate_shard_placement_fn,
+)
+from fsdp2._param import ShardedParam
+from fsdp2._param_group import ParamGroup
+from fsdp2._policies import (
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    validate_mp_policy,
+    validate_offload_policy,
+)
+from fsdp2._state import FSDPState, TrainingState
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any | None = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
+
+    Apply bottom-up: each transformer block, then the root. Each call forms one
+    communication group from the parameters not already managed by a call on a submodule:
+    one all-gather before forward (and before backward if resharded), one reduce-scatter
+    of its gradients after backward. A list of modules forms one group for all of them.
+
+    Args:
+        module: the module, or a list of modules sharing one group.
+        mesh: a 1-D ``DeviceMesh``; defaults to all ranks on the default device type.
+        reshard_after_forward: free the unsharded parameters after forward (``True``) and
+            all-gather again in backward, or keep them (``False``). ``None``: ``True``
+            except for the root, whose parameters backward needs first. An int ``N``
+            (dividing the shard group size) keeps 1/N of each parameter after forward,
+            so backward all-gathers within groups of N ranks (e.g. one node).
+        shard_placement_fn: ``fn(param) -> Shard(dim) | None`` picks each parameter's
+            sharded dim (``None``: dim 0). Dims other than 0 need sizes divisible by the
+            shard group size; they cost no extra copies (see docs/meshes.md).
+        mp_policy: all-gather, compute and reduce dtypes; see ``MixedPrecisionPolicy``.
+        offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients in CPU memory.
+        ignored_params: parameters to leave unsharded and unmanaged.
+        dp_mesh_dims: torch >= 2.13's selection of data-parallel dims of a larger mesh;
+            only ``None`` is supported (pass the data-parallel mesh itself).
+
+    Returns:
+        The same module object(s), now also instances of ``FSDPModule``.
+    """
+    modules = validate_modules(module)
+    check_reshard_after_forward_type(reshard_after_forward)
+    validate_shard_placement_fn(shard_placement_fn)
+    mp_policy = validate_mp_policy(mp_policy)
+    offload_policy = validate_offload_policy(offload_policy)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...) is not supported yet; pass the data-parallel "
+            "(sub)mesh as mesh=... instead, e.g. world_mesh['dp']."
+        )
+    mesh = resolve_mesh(mesh)
+    reshard_after_forward = validate_reshard_after_forward(reshard_after_forward, mesh)
+    device = mesh_device(mesh)
+    label = ", ".join(type(m).__name__ for m in modules)
+    found = collect_params(modules, ignored_params)
+    group = None
+    if found:
+        for param, _, fqn in found:
+            check_param_device(param, fqn, device)
+        # Trainable parameters first: the reduce-scatter then covers a prefix.
+        found.sort(key=lambda item: not item[0].requires_grad)
+        sharded: list[ShardedParam] = []
+        offset = 0
+        shard_size = mesh.size(mesh.ndim - 1)
+        for param, uses, fqn in found:
+            dim = shard_dim_of(shard_placement_fn, param, fqn, shard_size)
+            sp = ShardedParam(param, uses, fqn, mesh, offset, dim)
+            offset += sp.padded_numel
+            sharded.append(sp)
+        group = ParamGroup(
+            sharded,
+            [item[0] for item in found],
+            mesh,
+            device,
+            label,
+            mp_policy,
+            offload_policy,
+        )
+        mark_managed((sp.sharded_param for sp in sharded), label)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            subgroup, index = post_forward_group(mesh, reshard_after_forward)
+            group.set_post_forward_group(subgroup, reshard_after_forward, index)
+    move_states_to_device(modules, device)
+    state = FSDPState(
+        modules, group, mesh, device, reshard_after_forward, mp_policy, offload_policy
+    )
+    for m in modules:
+        m._fsdp_state = state  # type: ignore[assignment]
+        m.__class__ = _fsdp_class(type(m))
+    return list(modules) if isinstance(module, (list, tuple)) else modules[0]  # type: ignore[return-value]
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<Name>``: subclass of ``FSDPModule`` and ``cls``, created once per class."""
+    cached = _FSDP_CLASSES.get(cls)
+    if cached is not None:
+        return cached
+    original_forward = cls.forward
+
+    @functools.wraps(original_forward)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state: FSDPState = self._fsdp_state
+        group = state.group
+        if (
+            group is not None
+            and not group.is_unsharded
+            and state.training_state is TrainingState.IDLE
+        ):
+            raise RuntimeError(
+                f"{type(self).__name__}.forward() was called directly, bypassing fully_shard's "
+                f"hooks, while its parameters are sharded. Call the module, module(...), "
+                f"instead; or call module.unshard() first; or register the method with "
+                f"fsdp2.register_fsdp_forward_method(module, 'forward')."
+            )
+        return original_forward(self, *args, **kwargs)
+
+    namespace: dict[str, Any] = {"forward": forward}
+    for name, method in _public_methods(cls).items():
+        namespace[name] = _explain_sharded_errors(method)
+    fsdp_cls = type(cls)(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+    _FSDP_CLASSES[cls] = fsdp_cls
+    return fsdp_cls
+
+
+def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """Plain public methods a user class defines (not nn.Module's own, not forward)."""
+    methods: dict[str, Callable[..., Any]] = {}
+    for klass in reversed(cls.__mro__):
+        if klass in (object, nn.Module) or issubclass(nn.Module, klass):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name == "forward" or hasattr(nn.Module, name):
+                continue
+            if inspect.isfunction(value):
+                methods[name] = value
+            else:
+                methods.pop(name, None)  # overridden by a non-function
+    return methods
+
+
+def _explain_sharded_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn DTensor's "mixed torch.Tensor and DTensor" error, raised when a method that
+    fully_shard's hooks do not cover computes on sharded parameters, into advice."""
+
+    @functools.wraps(method)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as error:
+            state = getattr(self, "_fsdp_state", None)
+            group = getattr(state, "group", None)
+            if group is None or group.is_unsharded or "DTensor" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{type(self).__name__}.{method.__name__}() computed on sharded parameters: "
+                f"fully_shard only all-gathers around forward. Register the method with "
+                f"fsdp2.register_fsdp_forward_method(module, {method.__name__!r}), or, for "
+                f"read-only use, call module.unshard() before it and module.reshard() after "
+                f"(writes to unsharded parameters are not copied back to the shards)."
+            ) from error
+
+    return wrapper
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the unshard."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Methods every sharded module gains. Instances are made only by ``fully_shard``."""
+
+    _fsdp_state: FSDPState
+
+    # -- parameters ------------------------------------------------------------------------
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones again."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather the parameters. With ``async_op=True`` return a handle whose
+        ``wait()`` finishes the unshard; the next forward waits for it otherwise."""
+        state = self._fsdp_state
+        state.lazy_init()
+        group = state.group
+        if group is None:
+            return UnshardHandle(None) if async_op else None
+        group.unshard()
+        if async_op:
+            return UnshardHandle(group)
+        group.wait_for_unshard()
+        return None
+
+    # -- scheduling switches ---------------------------------------------------------------
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}."
+            )
+        for state in self._states(recurse):
+            state.reshard_after_forward_setting = reshard_after_forward
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's reduced gradients by ``factor`` instead of the number of
+        data-parallel ranks (this module's own group only, not its FSDP submodules)."""
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(
+                f"set_gradient_divide_factor expects a positive number, got {factor!r}."
+            )
+        group = self._fsdp_state.group
+        if group is not None:
+            group.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with a plain SUM collective (no AVG / pre-multiplied sum), for backends
+        that support only SUM; gradients are still divided afterwards. This module's group
+        only, like ``set_gradient_divide_factor``."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.force_sum_reduction = enable
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._fsdp_state.forward_prefetch = [
+            _state_of(m, "set_modules_to_forward_prefetch") for m in modules
+        ]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        self._fsdp_state.backward_prefetch = [
+            _state_of(m, "set_modules_to_backward_prefetch") for m in modules
+        ]
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False`` for modules whose parameters backward does not use (e.g. an embedding
+        whose input needs no grad): skip their backward prefetch."""
+        self._fsdp_state.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: whether to all-reduce across replicas (no effect on a 1-D mesh)."""
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False`` leaves reductions in flight at the end of backward (microbatches that
+        do not sync anyway); the last backward of a step must be ``True``, the default.
+        A root-level setting: call it on the root module."""
+        self._fsdp_state.is_last_backward = is_last_backward
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Make the next forward's all-gathers wait for ``event`` (recorded after the
+        optimizer step) instead of for the whole compute stream. Call it on the root."""
+        self._fsdp_state.post_optim_event = event
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any | None = None
+    ) -> None:
+        """Call ``hook(flat_grad_shard)`` on each group's reduced (and divided) gradient
+        shard, in place, before it is stored, e.g. for a custom reduction over another
+        mesh dimension. This module's own group only. ``stream``: run it there (accelerators only)."""
+        if not callable(hook):
+            raise ValueError(f"set_all_reduce_hook expects a callable, got {hook!r}.")
+        group = self._fsdp_state.group
+        if group is not None:
+            group.all_reduce_hook = hook
+            group.all_reduce_hook_stream = stream
+
+    def set_reduce_scatter_max_input_buffers(self, count: int) -> None:
+        """How many reduce-scatters (and their input buffers) may be in flight at once."""
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers expects an int >= 1, got {count!r}."
+            )
+        state = self._fsdp_state
+        state.max_reduces_in_flight = count
+        if state.tree is not None and state.tree.root is state:
+            state.tree.comm.max_reduces_in_flight = count
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in the middle of a step: reshard everything, drop
+        partial gradients and per-iteration bookkeeping."""
+        self._fsdp_state.reset_iter_state()
+
+    def _states(self, recurse: bool) -> Iterable[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state]
+        seen: dict[int, FSDPState] = {}
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = getattr(module, "_fsdp_state", None)
+            if isinstance(state, FSDPState):
+                seen.setdefault(id(state), state)
+        return list(seen.values())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """``module.to()``, ``to_empty()``, ``half()``... replace the local tensors; point
+        the shards back into (new) flat buffers so the all-gather input stays one buffer."""
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.ensure_shards_bound()
+        return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise RuntimeError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported: the copy would "
+            f"share process groups and hooks with the original. Deep-copy the module before "
+            f"fully_shard, then shard the copy."
+        )
+
+
+def _state_of(module: object, api: str) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"{api} expects modules that fully_shard was applied to, got {type(module).__name__}."
+        )
+    return module._fsdp_state
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several separately-rooted sharded modules (e.g. a model and its EMA copy, or
+    pipeline stages in one process) share communication streams and buffers. Call before
+    their first forward."""
+    if not modules:
+        raise ValueError("share_comm_ctx expects a non-empty list of sharded modules.")
+    states = [_state_of(m, "share_comm_ctx") for m in modules]
+    for state in states:
+        if state.tree is not None:
+            raise RuntimeError(
+                f"share_comm_ctx: {state.label} already ran its first forward; call "
+                f"share_comm_ctx before any forward."
+            )
+    from fsdp2._param_group import CommContext
+
+    comm = CommContext(states[0].device)
+    for state in states:
+        state.shared_comm = comm
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run the same pre/post-forward logic as a call,
+    e.g. for ``generate`` methods that do not go through ``forward``."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"register_fsdp_forward_method expects a module fully_shard was applied to, got "
+            f"{type(module).__name__}."
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(
+            f"{type(module).__name__} has no method named {method_name!r} to register."
+        )
+    state = module._fsdp_state
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if state.training_state is not TrainingState.IDLE:
+            return method(*args, **kwargs)  # already inside this module's forward
+        args, kwargs = state.pre_forward(args, kwargs)
+        output = method(*args, **kwargs)
+        return state.post_forward(output)
+
+    setattr(module, method_name, wrapped)

@@ -1,0 +1,256 @@
+"""What ``fully_shard`` does before any hook runs: check the arguments, choose the mesh
+and device, and find the parameters this call manages.
+
+Discovery rule (bottom-up grouping): a call manages every parameter registered in its
+module(s)' subtrees, except those inside a submodule that an earlier call already
+sharded, and except ``ignored_params``. A parameter registered in several places (tied
+weights) is managed once, with every registration recorded so all of them are swapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+
+from fsdp2._param import Use
+
+# Parameters already managed by some group -> that group's label; shared across groups is
+# an error (their gradient would be reduced twice and their values diverge).
+# The label of the fully_shard call that manages a parameter is stored as an attribute on the
+# parameter itself rather than in a weak-keyed registry: nn.Module._apply swaps DTensor
+# parameters with torch.utils.swap_tensors, which refuses tensors that have weak references.
+# The attribute lives in the tensor's __dict__, which the swap carries over.
+_OWNER_ATTR = "_fsdp2_managed_by"
+
+
+def default_device_type() -> str:
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        if current is not None:
+            return current.type
+    return "cpu"
+
+
+def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fully_shard needs an initialized process group to build its default mesh. "
+                "Call torch.distributed.init_process_group(...) first (torchrun sets the "
+                "environment), or pass mesh=init_device_mesh(device_type, (world_size,))."
+            )
+        return init_device_mesh(default_device_type(), (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), "
+            f"got a {mesh.ndim}-D mesh. Slice the data-parallel dims, e.g. world_mesh['dp']."
+        )
+    return mesh
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's shards live on: the mesh's device type, current index."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules; pass at least one module.")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
+            )
+        if getattr(m, "_fsdp_state", None) is not None:
+            raise ValueError(
+                f"fully_shard was already applied to this {type(m).__name__}. Apply it once "
+                f"per module: to each block, then to the root."
+            )
+    return modules
+
+
+def check_reshard_after_forward_type(value: object) -> None:
+    if value is not None and not isinstance(value, int):  # bool is an int
+        raise TypeError(
+            f"fully_shard(reshard_after_forward=...) expects True, False, None or an int, "
+            f"got {value!r}."
+        )
+
+
+def validate_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None:
+    """True/False/None as given; an int N is normalized: N == shard size -> True,
+    N == 1 -> False, otherwise N (1 < N < shard size, dividing it)."""
+    check_reshard_after_forward_type(value)
+    if value is None or isinstance(value, bool):
+        return value
+    shard_size = mesh.size(mesh.ndim - 1)
+    if value < 1 or shard_size % value != 0:
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={value}): an int must be a positive divisor of "
+            f"the shard group size {shard_size} (e.g. the GPUs per node), so that backward "
+            f"all-gathers within groups of that many ranks."
+        )
+    if value == shard_size:
+        return True
+    if value == 1:
+        return False
+    return value
+
+
+_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}
+
+
+def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[Any, int]:
+    """The group of ``size`` consecutive shard-group ranks this rank belongs to, and its
+    index there. Created once per (mesh, size): every rank creates every subgroup, in
+    the same order, because fully_shard runs the same calls on every rank."""
+    ranks = mesh.mesh.reshape(-1, size)
+    key = (tuple(mesh.mesh.flatten().tolist()), size)
+    if key not in _POST_FORWARD_GROUPS:
+        _POST_FORWARD_GROUPS[key] = dist.new_subgroups_by_enumeration(ranks.tolist())[0]
+    shard_rank = mesh.get_local_rank(mesh.ndim - 1)
+    return _POST_FORWARD_GROUPS[key], shard_rank % size
+
+
+def validate_shard_placement_fn(fn: Callable[[nn.Parameter], Any] | None) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            f"fully_shard(shard_placement_fn=...) must be callable or None, got {fn!r}."
+        )
+
+
+def shard_dim_of(
+    fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, shard_size: int
+) -> int:
+    """The tensor dim ``shard_placement_fn`` picks for ``param`` (0 by default)."""
+    if fn is None:
+        return 0
+    placement = fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise TypeError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for '{fqn}'; return "
+            f"Shard(dim) or None (Shard(0)). Per-parameter meshes are not supported yet."
+        )
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
+            f"shape {tuple(param.shape)}; the dim must be in [-{param.dim()}, {param.dim()})."
+        )
+    if dim != 0 and param.shape[dim] % shard_size != 0:
+        raise ValueError(
+            f"fully_shard: Shard({dim}) for '{fqn}' of shape {tuple(param.shape)} needs size "
+            f"{param.shape[dim]} of dim {dim} to be divisible by the shard group size "
+            f"{shard_size}; shard another dim or return None for Shard(0) (which pads)."
+        )
+    return dim
+
+
+def _sharded_subtree_roots(modules: tuple[nn.Module, ...]) -> set[int]:
+    return {id(m) for m in modules}
+
+
+def collect_params(
+    modules: tuple[nn.Module, ...], ignored_params: Iterable[nn.Parameter] | None
+) -> list[tuple[nn.Parameter, list[Use], str]]:
+    """The parameters one call manages, each with all its uses and a display name."""
+    ignored = _validate_ignored(modules, ignored_params)
+    tops = _sharded_subtree_roots(modules)
+    found: dict[int, tuple[nn.Parameter, list[Use], str]] = {}
+    for top in modules:
+        for prefix, module in _unsharded_modules(top, tops):
+            for name, param in module._parameters.items():
+                if param is None or param in ignored:
+                    continue
+                fqn = f"{prefix}{name}"
+                owner = getattr(param, _OWNER_ATTR, None)
+                if owner is not None:
+                    raise ValueError(
+                        f"fully_shard on {_label(modules)}: parameter '{fqn}' is already managed "
+                        f"by the fully_shard call on {owner}. A parameter shared between modules "
+                        f"must belong to one group: apply fully_shard to their common ancestor "
+                        f"only (e.g. keep tied embedding and output weights in the root group)."
+                    )
+                if id(param) in found:
+                    found[id(param)][1].append((module, name))
+                else:
+                    found[id(param)] = (param, [(module, name)], fqn)
+    return list(found.values())
+
+
+def _unsharded_modules(top: nn.Module, tops: set[int]) -> Iterable[tuple[str, nn.Module]]:
+    """Modules under ``top`` (with FQN prefixes) not inside an already-sharded submodule."""
+    stack: list[tuple[str, nn.Module]] = [("", top)]
+    while stack:
+        prefix, module = stack.pop()
+        yield prefix, module
+        for name, child in reversed(list(module._modules.items())):
+            if child is None:
+                continue
+            if getattr(child, "_fsdp_state", None) is not None and id(child) not in tops:
+                continue  # managed by an earlier call
+            stack.append((f"{prefix}{name}.", child))
+
+
+def _validate_ignored(
+    modules: tuple[nn.Module, ...], ignored_params: Iterable[nn.Parameter] | None
+) -> set[nn.Parameter]:
+    if ignored_params is None:
+        return set()
+    ignored = set(ignored_params)
+    owned = {p for m in modules for p in m.parameters()}
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(
+                f"fully_shard(ignored_params=...) must contain nn.Parameter objects, got "
+                f"{type(p).__name__}."
+            )
+        if p not in owned:
+            raise ValueError(
+                f"fully_shard(ignored_params=...) on {_label(modules)}: a parameter of shape "
+                f"{tuple(p.shape)} is not a parameter of this module; pass only parameters of "
+                f"the module(s) being sharded."
+            )
+    return ignored
+
+
+def mark_managed(params: Iterable[nn.Parameter], label: str) -> None:
+    for p in params:
+        setattr(p, _OWNER_ATTR, label)
+
+
+def move_states_to_device(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    """Buffers stay replicated; move them to the mesh's device like the shards."""
+    tops = _sharded_subtree_roots(modules)
+    for top in modules:
+        for _, module in _unsharded_modules(top, tops):
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device.type != "meta" and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+
+
+def _label(modules: tuple[nn.Module, ...]) -> str:
+    return ", ".join(type(m).__name__ for m in modules)
+
+
+def check_param_device(param: torch.Tensor, fqn: str, device: torch.device) -> None:
+    if param.device.type not in ("meta", "cpu", device.type):
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' is on {param.device}, but the mesh's device is "
+            f"{device}. Move the module to {device.type} (or the CPU) before sharding."
+        )

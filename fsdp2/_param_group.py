@@ -1,0 +1,476 @@
+"""A parameter group: the parameters one ``fully_shard`` call manages, communicated together.
+
+A group owns three buffers (see [Note: flat shard buffer] and [Note: storage resize and
+autograd] in ``_param``):
+
+- ``flat_shard``: 1-D, ``S`` elements, every local padded shard; the all-gather input.
+- ``unsharded_flat``: 1-D, ``world_size * S`` elements, the unsharded parameters,
+  param-major; storage freed (resized to 0) while sharded.
+- a transient all-gather output (rank-major) that one fused ``split_with_sizes_copy``
+  copies into ``unsharded_flat``. A group with a single parameter has identical rank-major
+  and param-major layouts, so it gathers straight into ``unsharded_flat`` with no copy.
+
+Per-step work here is per group: one collective per direction, one fused copy-out, one
+fused reduce-scatter copy-in (``torch.cat`` into the reduce-scatter input). The loops over
+parameters that remain touch only Python attributes (registering tensors on modules,
+reading ``.grad``), never launch a kernel per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp2._collectives import (
+    PendingCollective,
+    all_gather_flat,
+    all_reduce_flat,
+    reduce_scatter_flat,
+    wait,
+)
+from fsdp2._param import ShardedParam
+from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2._stream_utils import (
+    CommStreams,
+    Event,
+    Stream,
+    record_event,
+    use_stream,
+    wait_event,
+    wait_stream,
+)
+
+
+class ShardedState(Enum):
+    SHARDED = auto()
+    # reshard_after_forward=int: sharded over a smaller group until backward gathers it.
+    SHARDED_POST_FORWARD = auto()
+    UNSHARDED = auto()
+
+
+class AllGatherInFlight(NamedTuple):
+    input: torch.Tensor  # the flat shard, or its cast/device copy (kept alive until done)
+    output: torch.Tensor  # 1-D, world_size * S, rank-major
+    pending: PendingCollective
+    from_post_forward: bool  # gathered within the post-forward group (int reshard)
+
+
+class ReduceInFlight(NamedTuple):
+    group: ParamGroup
+    input: torch.Tensor  # kept alive until the collective is done
+    output: torch.Tensor  # 1-D, the reduced flat gradient shard
+    pending: PendingCollective
+    has_grad: list[bool]  # per parameter of the reduced prefix: got a local gradient
+
+
+class CommContext:
+    """Communication state shared by every group of one FSDP tree.
+
+    ``all_gather_release``: the event after which the all-gather stream may reuse the
+    memory of buffers it allocated and we released (see [Note: buffer lifetime across
+    streams]). ``reduces``: reduce-scatters not yet finished; at most two stay in flight.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.streams = CommStreams(device)
+        self.all_gather_release: Event = None
+        self.reduces: list[ReduceInFlight] = []
+        self.max_reduces_in_flight = 2  # set_reduce_scatter_max_input_buffers
+
+    def release_all_gather_memory(self) -> None:
+        """Called after the compute stream's last use of all-gather-stream memory."""
+        self.all_gather_release = record_event(self.streams.compute())
+
+    def finish_reduces(self, keep: int = 0) -> None:
+        """Finish reduce-scatters in issue order until at most ``keep`` remain in flight."""
+        while len(self.reduces) > keep:
+            in_flight = self.reduces.pop(0)
+            in_flight.group.finish_reduce(in_flight)
+
+
+class ParamGroup:
+    """Parameters communicated together; see the module docstring for the buffers."""
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        full_params: list[torch.nn.Parameter],
+        mesh: DeviceMesh,
+        device: torch.device,
+        label: str,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.label = label  # e.g. "layers.0 (TransformerBlock)", for messages
+        # HSDP (2-D mesh): shard over the last dim, replicate over the first.
+        shard_dim = mesh.ndim - 1
+        self.process_group = mesh.get_group(shard_dim)
+        self.world_size = mesh.size(shard_dim)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
+        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
+        self._partial_reduce: torch.Tensor | None = None
+        dtypes = {p.dtype for p in full_params}
+        if len(dtypes) > 1:
+            names = ", ".join(f"{sp.fqn}: {p.dtype}" for sp, p in zip(params, full_params))
+            raise NotImplementedError(
+                f"fully_shard on {label}: parameters of one group must share a dtype for now "
+                f"(got {names}). Apply fully_shard to submodules so each group has one dtype, "
+                f"or cast the module to one dtype before sharding."
+            )
+        self.mp_policy = mp_policy
+        self._set_dtypes(full_params[0].dtype)
+        on_meta = any(p.device.type == "meta" for p in full_params)
+        self.device = torch.device("meta") if on_meta else device  # where compute runs
+        # CPU offload: shards (the all-gather source) and gradients live in CPU memory.
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.pin_memory = self.offload and offload_policy.pin_memory  # type: ignore[attr-defined]
+        self.shard_device = torch.device("cpu") if self.offload and not on_meta else self.device
+        self.numel = sum(p.padded_numel for p in params)  # S
+        self.flat_shard = self._new_flat_shard(self.shard_dtype, self.shard_device)
+        for sp, full in zip(params, full_params):
+            source = full.to_local() if isinstance(full, DTensor) else full  # TP: local part
+            sp.init_sharded_param(
+                source.detach().to(self.shard_device), self.flat_shard, full.requires_grad
+            )
+            sp.register(sp.sharded_param)
+        self.sharded_state = ShardedState.SHARDED
+        self.comm: CommContext | None = None
+        self.unsharded_flat: torch.Tensor | None = None
+        self._copy_out_targets: list[torch.Tensor] = []
+        self._split_sizes = [p.padded_numel for p in params]
+        # One parameter: rank-major and param-major layouts coincide, gather in place.
+        self._gather_in_place = len(params) == 1
+        self._all_gather: AllGatherInFlight | None = None
+        # reshard_after_forward=int (see ``set_post_forward_group``).
+        self.post_forward_group: Any = None
+        self.post_forward_size = 0
+        self._post_forward_shard: torch.Tensor | None = None
+        self._post_forward_targets: list[torch.Tensor] = []
+        # Runtime switches (FSDPModule setters).
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False
+        self.requires_all_reduce = True  # HSDP only; a 1-D mesh has no all-reduce
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self.all_reduce_hook_stream: Stream = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _set_dtypes(self, shard_dtype: torch.dtype) -> None:
+        """Sharded parameters keep ``shard_dtype`` (the optimizer's master copy); compute
+        and the all-gather use ``param_dtype``; gradients are reduced in ``reduce_dtype``."""
+        self.shard_dtype = shard_dtype
+        self.param_dtype = self.mp_policy.param_dtype or shard_dtype
+        self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
+
+    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        if self.pin_memory and device.type == "cpu" and torch.cuda.is_available():
+            flat = flat.pin_memory()  # lets host-to-device copies run asynchronously
+        return flat
+
+    def lazy_init(self, comm: CommContext) -> None:
+        """Bind to the tree's communication context and build the unsharded buffer."""
+        self.comm = comm
+        self.ensure_shards_bound()
+        if self.flat_shard.device.type == "meta":
+            raise RuntimeError(
+                f"fully_shard: the parameters of {self.label} are still on the meta device at "
+                f"the first forward. Materialize them first, e.g. "
+                f"module.to_empty(device=...) then module.reset_parameters()."
+            )
+        self._init_unsharded()
+
+    def set_post_forward_group(self, group: Any, size: int, index: int) -> None:
+        """``reshard_after_forward=size``: after forward keep 1/size of each parameter,
+        the share of rank ``index`` in ``group`` (size consecutive ranks of the shard
+        group), so backward all-gathers within ``group`` only."""
+        self.post_forward_group = group
+        self.post_forward_size = size
+        self._post_forward_index = index
+
+    def _init_unsharded(self) -> None:
+        n = self.world_size * self.numel
+        self.unsharded_flat = torch.empty(n, dtype=self.param_dtype, device=self.device)
+        # Views are made while the storage is allocated, then the storage is freed.
+        self._copy_out_targets = [p.init_unsharded_param(self.unsharded_flat) for p in self.params]
+        self._unsharded_write = self.unsharded_flat.data
+        if self.post_forward_size:
+            # Each parameter's slot split into post_forward_size equal chunks.
+            size = self.post_forward_size
+            self._post_forward_targets = [t.reshape(size, -1) for t in self._copy_out_targets]
+        self._free_unsharded()
+
+    def ensure_shards_bound(self) -> None:
+        """Re-point local tensors that no longer view the flat buffer (after ``module.to()``,
+        ``to_empty()`` or ``load_state_dict(assign=True)``), keeping their values."""
+        if all(p.points_into(self.flat_shard) for p in self.params):
+            return
+        first = self.params[0].local_tensor()
+        self._set_dtypes(first.dtype)
+        if not self.offload or first.device.type != "cpu":
+            self.device = first.device
+        self.shard_device = first.device
+        flat = self._new_flat_shard(first.dtype, first.device)
+        for p in self.params:
+            p.repoint(flat)
+        self.flat_shard = flat
+        if self.unsharded_flat is not None:
+            self._init_unsharded()
+
+    # -- unshard / reshard -----------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
+
+    @property
+    def unshard_pending(self) -> bool:
+        return self._all_gather is not None
+
+    def unshard(self) -> None:
+        """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
+        already in flight). Call ``wait_for_unshard`` before using the parameters."""
+        if self.is_unsharded or self._all_gather is not None:
+            return
+        comm = self._require_comm()
+        stream = comm.streams.all_gather
+        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        with use_stream(stream):
+            # Memory released by the compute stream may be reused only after it is done.
+            wait_event(stream, comm.all_gather_release)
+            if post_forward:
+                ag_input, group = self._post_forward_shard, self.post_forward_group
+                self._post_forward_shard = None
+            else:
+                # One fused cast (mixed precision) / host-to-device copy (offload) per
+                # group; otherwise the flat shard itself is the input.
+                ag_input = self.flat_shard.to(self.device, self.param_dtype, non_blocking=True)
+                group = self.process_group
+            if self._gather_in_place:
+                self._alloc_unsharded()
+                output = self._unsharded_write
+            else:
+                output = torch.empty(
+                    self.world_size * self.numel, dtype=self.param_dtype, device=self.device
+                )
+            pending = all_gather_flat(output, ag_input, group, stream)
+        self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward)
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the in-flight all-gather, fill the unsharded parameters and register
+        them on the modules."""
+        in_flight = self._all_gather
+        if in_flight is None:
+            return
+        self._all_gather = None
+        comm = self._require_comm()
+        compute = comm.streams.compute()
+        wait(in_flight.pending, compute)
+        if not self._gather_in_place:
+            self._alloc_unsharded()
+            if in_flight.from_post_forward:
+                ranks, targets = self.post_forward_size, self._post_forward_targets
+                sizes = [t.shape[1] for t in targets]
+            else:
+                ranks, targets, sizes = self.world_size, self._copy_out_targets, self._split_sizes
+            torch.split_with_sizes_copy(in_flight.output.view(ranks, -1), sizes, dim=1, out=targets)
+            # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
+            comm.release_all_gather_memory()
+        self.sharded_state = ShardedState.UNSHARDED
+        for p in self.params:
+            unsharded = p.unsharded_param
+            if unsharded.requires_grad != p.sharded_param.requires_grad:
+                unsharded.requires_grad_(p.sharded_param.requires_grad)
+            p.register(unsharded)
+
+    def reshard(self, *, post_forward: bool = False) -> None:
+        """Register the sharded parameters again and free the unsharded buffer. With
+        ``post_forward`` and an int ``reshard_after_forward``, first keep this rank's
+        share for the smaller backward all-gather (one fused copy)."""
+        if self._all_gather is not None:
+            self.wait_for_unshard()  # a collective cannot be cancelled: drain it
+        if not self.is_unsharded:
+            if not post_forward:
+                self._post_forward_shard = None
+                self.sharded_state = ShardedState.SHARDED
+            return
+        keep_partial = post_forward and self.post_forward_size > 0
+        if keep_partial:
+            index = self._post_forward_index
+            chunks = [t[index] for t in self._post_forward_targets]
+            self._post_forward_shard = torch.cat(chunks)
+        for p in self.params:
+            p.register(p.sharded_param)
+        if self._gather_in_place:
+            self._require_comm().release_all_gather_memory()
+        self._free_unsharded()
+        self.sharded_state = (
+            ShardedState.SHARDED_POST_FORWARD if keep_partial else ShardedState.SHARDED
+        )
+
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def _free_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    # -- gradients -------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(
+            p.unsharded_param is not None and p.unsharded_param.grad is not None
+            for p in self.params
+        )
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter the unsharded gradients (one fused copy-in, one collective) and
+        drop them. The result is assigned to the sharded parameters by ``finish_reduce``,
+        when the collective is waited on: later, so it overlaps the rest of backward."""
+        grads = [p.unsharded_param.grad for p in self.params]
+        has_grad = [g is not None for g in grads]
+        if not any(has_grad):
+            return
+        # Reduce the prefix up to the last parameter with a gradient; frozen parameters
+        # sit at the end of the layout, so they normally fall outside it.
+        count = len(grads) - has_grad[::-1].index(True)
+        ws = self.world_size
+        pieces: list[torch.Tensor] = []
+        for p, grad in zip(self.params[:count], grads[:count]):
+            p.unsharded_param.grad = None
+            if grad is None:
+                pieces.append(grad_zeros(p.padded_numel, ws, self.param_dtype, self.device))
+            elif p.is_even:
+                pieces.append(p.as_rows(grad).reshape(ws, p.padded_numel))
+            else:
+                padding = (ws * p.rows_per_rank - p.rows_shape[0]) * p.row_numel
+                rows = p.as_rows(grad).reshape(-1)
+                pieces.append(F.pad(rows, (0, padding)).view(ws, p.padded_numel))
+        numel = sum(self._split_sizes[:count])
+        comm = self._require_comm()
+        compute = comm.streams.compute()
+        if count == 1 and pieces[0].dtype == self.reduce_dtype and pieces[0].is_contiguous():
+            rs_input = pieces[0].view(-1)  # one parameter: its gradient is the input
+        else:
+            # One kernel: copy, pad and cast (to reduce_dtype) every gradient at once.
+            rs_input = torch.empty(ws * numel, dtype=self.reduce_dtype, device=self.device)
+            torch.cat(pieces, dim=1, out=rs_input.view(ws, numel))
+        if self.predivide_factor() != 1.0:
+            rs_input = rs_input.div(self.predivide_factor())
+        stream = comm.streams.reduce_scatter
+        wait_stream(stream, compute)  # the gradients were produced on the compute stream
+        with use_stream(stream):
+            rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
+            pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
+        # Bound memory: finish older reductions so at most ``max_reduces_in_flight`` remain.
+        comm.finish_reduces(keep=max(comm.max_reduces_in_flight - 1, 0))
+        comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad[:count]))
+
+    def finish_reduce(self, in_flight: ReduceInFlight) -> None:
+        """Wait for a reduce-scatter, scale it, and store the gradient shards as DTensors
+        on the sharded parameters (accumulating into existing gradients)."""
+        comm = self._require_comm()
+        wait(in_flight.pending, comm.streams.compute())
+        output = in_flight.output
+        if self.replicate_group is not None:
+            reduced = self._all_reduce_replicas(output)
+            if reduced is None:
+                return  # accumulated locally until the next step that all-reduces
+            output = reduced
+        factor = self.divide_factor() / self.predivide_factor()
+        # The all-reduce hook sees what torch's hook sees: the average when the division
+        # counts as part of the collective (AVG for fp32/bf16), the undivided sum when
+        # division is a separate step (force-sum, or fp16's split pre/post division).
+        divide_first = not self.force_sum_reduction and self.predivide_factor() == 1.0
+        if factor != 1.0 and divide_first:
+            output.div_(factor)
+        if self.all_reduce_hook is not None:
+            hook_stream = self.all_reduce_hook_stream
+            wait_stream(hook_stream, comm.streams.compute())
+            with use_stream(hook_stream):
+                self.all_reduce_hook(output)
+            wait_stream(comm.streams.compute(), hook_stream)
+        if factor != 1.0 and not divide_first:
+            output.div_(factor)
+        # Gradients are stored like the sharded parameters: their dtype, their device.
+        output = output.to(self.shard_device, self.shard_dtype)
+        for p, got_grad in zip(self.params, in_flight.has_grad):
+            if not got_grad:
+                continue
+            local = p.local_view(output)
+            param = p.sharded_param
+            existing = param.grad
+            if existing is None:
+                param.grad = p.sharded_grad(local)
+            else:
+                with torch.no_grad():
+                    existing.to_local().add_(local)
+            # Hooks registered with register_post_accumulate_grad_hook on the sharded
+            # parameter (e.g. an optimizer stepping inside backward) see the reduced grad.
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(param)
+
+    def _all_reduce_replicas(self, output: torch.Tensor) -> torch.Tensor | None:
+        """HSDP: sum the reduce-scattered shard over replicas (or keep it for later when
+        ``requires_all_reduce`` is off); ``None`` means nothing to assign yet."""
+        partial = self._partial_reduce
+        if partial is not None and partial.numel() >= output.numel():
+            partial[: output.numel()].add_(output)
+            output, self._partial_reduce = partial, None
+        elif partial is not None:
+            output[: partial.numel()].add_(partial)
+            self._partial_reduce = None
+        if not self.requires_all_reduce:
+            self._partial_reduce = output
+            return None
+        comm = self._require_comm()
+        stream = comm.streams.all_reduce
+        wait_stream(stream, comm.streams.compute())
+        pending = all_reduce_flat(output, self.replicate_group, stream)
+        wait(pending, comm.streams.compute())
+        return output
+
+    def predivide_factor(self) -> float:
+        """Low-precision sums can overflow and per-rank quotients underflow: divide by a
+        power of two near the square root of the factor before reducing and by the rest
+        after (the split torch uses, so results agree bitwise)."""
+        if self.reduce_dtype in (torch.float32, torch.bfloat16, torch.float64):
+            return 1.0
+        factor = self.divide_factor()
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre)
+
+    def divide_factor(self) -> float:
+        """The total divisor of the summed gradients. ``force_sum_reduction`` changes only
+        which collective op is used (always SUM here), never this divisor."""
+        if self.gradient_divide_factor is not None:
+            return self.gradient_divide_factor
+        return float(self.world_size * self.replicate_size)
+
+    def _require_comm(self) -> CommContext:
+        if self.comm is None:
+            raise AssertionError(f"{self.label}: used before lazy initialization")
+        return self.comm
+
+
+def grad_zeros(
+    numel: int, world_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A zero (world_size, numel) block for a parameter without a local gradient; expanded
+    from one element, so it allocates nothing (``torch.cat`` reads it as zeros)."""
+    return torch.zeros(1, dtype=dtype, device=device).expand(world_size, numel)

@@ -1,0 +1,69 @@
+"""Configuration types passed to ``fully_shard``: same names, fields and defaults as
+``torch.distributed.fsdp``, so user code switches by import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Precision of the all-gathered parameters, the gradient reduction and the outputs.
+
+    - ``param_dtype``: dtype the unsharded parameters are all-gathered in and used by
+      forward/backward. ``None``: the sharded parameters' own dtype.
+    - ``reduce_dtype``: dtype of the gradient reduce-scatter. ``None``: ``param_dtype``.
+    - ``output_dtype``: if set, floating-point forward outputs are cast to it.
+    - ``cast_forward_inputs``: cast floating-point forward inputs to ``param_dtype``.
+    The sharded parameters (the optimizer's master copy) and their gradients keep the
+    original dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass
+class OffloadPolicy:
+    """The default: no offloading. Sharded parameters and gradients stay on the device."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and gradients in CPU memory; the optimizer steps on the CPU.
+
+    ``pin_memory``: pin the CPU shards so host<->device copies can run asynchronously.
+    """
+
+    pin_memory: bool = True
+
+
+def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard(mp_policy=...) expects a fsdp2.MixedPrecisionPolicy, got "
+            f"{type(policy).__name__}. Pass e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)."
+        )
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field)
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype or None, "
+                f"got {dtype!r}."
+            )
+    return policy
+
+
+def validate_offload_policy(policy: object) -> OffloadPolicy:
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(
+            f"fully_shard(offload_policy=...) expects fsdp2.OffloadPolicy() or "
+            f"fsdp2.CPUOffloadPolicy(), got {type(policy).__name__}."
+        )
+    return policy

@@ -1,0 +1,379 @@
+"""Per-module FSDP state and the hooks that drive the runtime.
+
+Timeline of one training step for a tree sharded bottom-up (blocks, then the root):
+
+- root pre-forward: lazy init on the first call (find the tree, pick defaults, build the
+  groups' buffers); start a fresh forward order.
+- each pre-forward: all-gather the group (or wait for a prefetched one), register the
+  unsharded parameters, attach the post-backward trigger to the inputs, record the order.
+- each post-forward: reshard if ``reshard_after_forward``; attach the pre-backward
+  trigger to the outputs.
+- pre-backward (first gradient of an output): unshard again if resharded, and prefetch
+  the group that ran just before this one in forward (the recorded order, reversed).
+- post-backward (gradients of the inputs done): reduce-scatter gradients, reshard.
+- final callback (end of backward): finish groups whose post-backward did not run
+  (inputs without grad, unused outputs), wait for outstanding reductions, reset state.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fsdp2._param_group import CommContext, ParamGroup
+from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
+from fsdp2._stream_utils import wait_event, wait_stream
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()  # unsharded for backward, gradients being computed
+    POST_BACKWARD = auto()
+
+
+class TreeContext:
+    """State shared by every ``FSDPState`` under one root, created at lazy init."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState], comm: CommContext) -> None:
+        self.root = root
+        self.states = states
+        self.comm = comm
+        self.forward_order: list[FSDPState] = []  # states, in pre-forward order, with repeats
+        self.in_backward = False
+        self.callback_queued = False
+
+
+class FSDPState:
+    """What one ``fully_shard`` call created: the group and the scheduling state of the
+    module (or list of modules) it was applied to."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        mesh: DeviceMesh,
+        device: torch.device,
+        reshard_after_forward: bool | int | None,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.mesh = mesh
+        self.device = device
+        self.reshard_after_forward_setting = reshard_after_forward
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.mp_policy = mp_policy
+        self.offload_policy = offload_policy
+        self.tree: TreeContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.unshard_in_backward = True
+        self._forward_positions: list[int] = []
+        self._pending_backward_calls = 0  # forward calls whose post-backward has not run
+        self._recompute_registers_backward = False
+        self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
+        self._hook_handles: list[Any] = []
+        self.shared_comm: CommContext | None = None  # set by share_comm_ctx
+        # Root-level settings (read from the root's state; set before or after lazy init):
+        # set_is_last_backward(False) leaves reductions in flight at the end of backward;
+        # set_post_optim_event makes the next forward's all-gathers wait for that event.
+        self.is_last_backward = True
+        self.post_optim_event: Any = None
+        self.max_reduces_in_flight = 2
+        for module in modules:
+            self._hook_handles.append(
+                module.register_forward_pre_hook(
+                    self._pre_forward_hook, prepend=True, with_kwargs=True
+                )
+            )
+            self._hook_handles.append(module.register_forward_hook(self._post_forward_hook))
+
+    # -- naming --------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        names = ", ".join(type(m).__name__ for m in self.modules)
+        return self.group.label if self.group is not None else names
+
+    # -- lazy init -----------------------------------------------------------------------
+    def lazy_init(self) -> TreeContext:
+        """Make this state the root of every FSDP state below its module(s)."""
+        if self.tree is not None:
+            return self.tree
+        states: list[FSDPState] = []
+        seen: set[int] = set()
+        for top in self.modules:
+            for module in top.modules():
+                state = getattr(module, "_fsdp_state", None)
+                if isinstance(state, FSDPState) and id(state) not in seen:
+                    seen.add(id(state))
+                    states.append(state)
+        for state in states:
+            if state.tree is not None:
+                raise RuntimeError(
+                    f"fully_shard: {state.label} was already initialized as part of the tree "
+                    f"rooted at {state.tree.root.label}, but {self.label} is running its first "
+                    f"forward now. Run the first forward (or unshard()) through the outermost "
+                    f"sharded module, so it can become the root."
+                )
+        comm = self.shared_comm if self.shared_comm is not None else CommContext(self.device)
+        comm.max_reduces_in_flight = self.max_reduces_in_flight
+        tree = TreeContext(self, states, comm)
+        for state in states:
+            state.tree = tree
+            if state.reshard_after_forward_setting is None:
+                # The root's parameters are needed again at the very start of backward.
+                state.reshard_after_forward = state is not self
+        for state in states:
+            if state.group is not None:
+                state.group.lazy_init(tree.comm)
+        return tree
+
+    @property
+    def is_root(self) -> bool:
+        return self.tree is not None and self.tree.root is self
+
+    # -- forward -------------------------------------------------------------------------
+    def _pre_forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if len(self.modules) > 1:
+            if self._modules_to_run:  # another module of this group already started it
+                return args, kwargs
+            self._modules_to_run = {id(m) for m in self.modules}
+        return self.pre_forward(args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if len(self.modules) > 1:
+            self._modules_to_run.discard(id(module))
+            if self._modules_to_run:
+                return output
+        return self.post_forward(output)
+
+    def pre_forward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        tree = self.lazy_init()
+        group = self.group
+        if tree.in_backward:
+            # Activation checkpointing recomputes this forward inside backward.
+            self.training_state = TrainingState.FORWARD
+            if group is not None:
+                group.unshard()
+                group.wait_for_unshard()
+            # Reentrant checkpointing ran the original forward without grad, so only the
+            # recomputation builds the graph this module's backward runs on.
+            self._recompute_registers_backward = (
+                torch.is_grad_enabled() and self._pending_backward_calls == 0
+            )
+            if self._recompute_registers_backward:
+                self._pending_backward_calls += 1
+                args, kwargs = self._attach_post_backward(args, kwargs)
+            return args, kwargs
+        if self.is_root:
+            self._root_pre_forward()
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+        self.training_state = TrainingState.FORWARD
+        tree.forward_order.append(self)
+        self._forward_positions.append(len(tree.forward_order) - 1)
+        if group is not None:
+            group.unshard()
+            for target in self.forward_prefetch or ():
+                if target.group is not None:
+                    target.group.unshard()
+            group.wait_for_unshard()
+        if torch.is_grad_enabled():
+            self._pending_backward_calls += 1
+            args, kwargs = self._attach_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        tree = self.tree
+        if tree is None:
+            raise AssertionError("root pre-forward before lazy init")
+        tree.forward_order.clear()
+        for state in tree.states:
+            state._forward_positions.clear()
+        comm = tree.comm
+        if self.post_optim_event is not None:
+            wait_event(comm.streams.all_gather, self.post_optim_event)
+            self.post_optim_event = None
+        else:
+            # The optimizer updated the shards on the compute stream; gather only after it.
+            wait_stream(comm.streams.all_gather, comm.streams.compute())
+
+    def post_forward(self, output: Any) -> Any:
+        tree = self.tree
+        if tree is None:
+            raise AssertionError("post-forward before lazy init")
+        if tree.in_backward:
+            self.training_state = TrainingState.PRE_BACKWARD
+            if self._recompute_registers_backward:
+                output = self._attach_pre_backward(output)
+            return output
+        group = self.group
+        grad_enabled = torch.is_grad_enabled()
+        if group is not None and (self.reshard_after_forward or not grad_enabled):
+            # Without grad no backward will need the parameters: free them entirely.
+            group.reshard(post_forward=grad_enabled)
+        self.training_state = TrainingState.IDLE
+        if grad_enabled:
+            output = self._attach_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    # -- backward triggers ---------------------------------------------------------------
+    def _attach_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Route the inputs that need grad through ``_PostBackward`` so its backward runs
+        once gradients for all of them (and so for this module's parameters) are done."""
+        leaves, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not positions:
+            return args, kwargs
+        outputs = _PostBackward.apply(self, *(leaves[i] for i in positions))
+        for i, out in zip(positions, outputs):
+            leaves[i] = out
+        return tree_unflatten(leaves, spec)
+
+    def _attach_pre_backward(self, output: Any) -> Any:
+        leaves, _ = tree_flatten(output)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    def _pre_backward(self, *_: Any) -> None:
+        tree = self.tree
+        if tree is None:
+            raise AssertionError("pre-backward before lazy init")
+        if not tree.callback_queued:
+            tree.callback_queued = True
+            tree.in_backward = True
+            Variable._execution_engine.queue_callback(tree.root._finish_backward)
+        self.training_state = TrainingState.PRE_BACKWARD
+        group = self.group
+        if group is not None:
+            group.unshard()
+            group.wait_for_unshard()
+        self._prefetch_for_backward()
+
+    def _prefetch_for_backward(self) -> None:
+        tree = self.tree
+        if tree is None or not self._forward_positions:
+            return
+        position = self._forward_positions.pop()
+        if self.backward_prefetch is not None:
+            targets = self.backward_prefetch
+        else:
+            # The group that ran just before this one in forward runs next in backward.
+            previous = position - 1
+            while previous >= 0 and tree.forward_order[previous] is self:
+                previous -= 1
+            targets = [tree.forward_order[previous]] if previous >= 0 else []
+        for target in targets:
+            if (
+                target.group is not None
+                and target._pending_backward_calls > 0
+                and target.unshard_in_backward
+            ):
+                target.group.unshard()
+
+    def post_backward(self) -> None:
+        """Reduce this group's gradients and reshard, once all its forward calls' backward
+        ran (a module called twice has two backward passes to wait for)."""
+        if self._pending_backward_calls > 1:
+            self._pending_backward_calls -= 1
+            return
+        self._pending_backward_calls = 0
+        self.training_state = TrainingState.POST_BACKWARD
+        group = self.group
+        if group is not None:
+            if group.unshard_pending:
+                group.wait_for_unshard()
+            if group.requires_gradient_sync:
+                group.reduce_grads()
+            if group.reshard_after_backward:
+                group.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def _finish_backward(self) -> None:
+        """Final callback of backward, queued on the root's tree by the first pre-backward."""
+        tree = self.tree
+        if tree is None:
+            raise AssertionError("final callback before lazy init")
+        for state in tree.states:
+            group = state.group
+            needs_post_backward = state._pending_backward_calls > 0 or (
+                group is not None and (group.is_unsharded or group.unshard_pending)
+            )
+            if needs_post_backward:
+                state._pending_backward_calls = 1
+                state.post_backward()
+            state.training_state = TrainingState.IDLE
+            state._forward_positions.clear()
+        if self.is_last_backward:
+            tree.comm.finish_reduces(keep=0)
+            streams = tree.comm.streams
+            wait_stream(streams.compute(), streams.reduce_scatter)
+        tree.forward_order.clear()
+        tree.in_backward = False
+        tree.callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """Drop per-iteration state after an exception left a step half done."""
+        tree = self.tree
+        if tree is None:
+            return
+        for state in tree.states:
+            state.training_state = TrainingState.IDLE
+            state._forward_positions.clear()
+            state._pending_backward_calls = 0
+            state._modules_to_run.clear()
+            if state.group is not None:
+                state.group.reshard()
+                for p in state.group.params:
+                    if p.unsharded_param is not None:
+                        p.unsharded_param.grad = None
+        tree.comm.finish_reduces(keep=0)
+        tree.forward_order.clear()
+        tree.in_backward = False
+        tree.callback_queued = False
+
+
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a nest of containers to ``dtype``."""
+    leaves, spec = tree_flatten(tree)
+    cast = [
+        x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in leaves
+    ]
+    return tree_unflatten(cast, spec)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity in forward; its backward is the group's post-backward hook."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)

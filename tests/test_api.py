@@ -1,0 +1,81 @@
+"""The public surface: the pinned ``__all__`` and argument validation that happens before
+any process group is needed. If a name here changes, users switching from
+``torch.distributed.fsdp`` by import break: change the docs and CHANGELOG with it."""
+
+import pytest
+import torch
+from torch import nn
+
+import fsdp2
+
+
+def test_all_is_pinned() -> None:
+    assert fsdp2.__all__ == [
+        "CPUOffloadPolicy",
+        "FSDPModule",
+        "MixedPrecisionPolicy",
+        "ModelOptimizerState",
+        "OffloadPolicy",
+        "UnshardHandle",
+        "fully_shard",
+        "get_full_state_dict",
+        "init_sharded_",
+        "load_checkpoint",
+        "load_full_state_dict",
+        "register_fsdp_forward_method",
+        "save_checkpoint",
+        "share_comm_ctx",
+    ]
+    for name in fsdp2.__all__:
+        assert getattr(fsdp2, name) is not None
+
+
+def test_policies_match_torch_defaults() -> None:
+    from torch.distributed import fsdp as torch_fsdp
+
+    assert fsdp2.MixedPrecisionPolicy() == fsdp2.MixedPrecisionPolicy(None, None, None, True)
+    ours = fsdp2.MixedPrecisionPolicy.__dataclass_fields__.keys()
+    theirs = torch_fsdp.MixedPrecisionPolicy.__dataclass_fields__.keys()
+    assert list(ours) == list(theirs)
+    assert fsdp2.CPUOffloadPolicy().pin_memory is True
+    assert isinstance(fsdp2.CPUOffloadPolicy(), fsdp2.OffloadPolicy)
+
+
+def test_fully_shard_signature_matches_torch() -> None:
+    import inspect
+
+    from torch.distributed import fsdp as torch_fsdp
+
+    ours = inspect.signature(fsdp2.fully_shard).parameters
+    theirs = inspect.signature(torch_fsdp.fully_shard).parameters
+    assert set(theirs) <= set(ours), set(theirs) - set(ours)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"reshard_after_forward": "yes"}, TypeError, "reshard_after_forward"),
+        ({"reshard_after_forward": 2.5}, TypeError, "or an int"),
+        ({"shard_placement_fn": 3}, TypeError, "callable"),
+        ({"mp_policy": "bf16"}, TypeError, "MixedPrecisionPolicy"),
+        ({"mp_policy": fsdp2.MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError, "floating"),
+        ({"offload_policy": True}, TypeError, "OffloadPolicy"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        fsdp2.fully_shard(nn.Linear(2, 2), **kwargs)
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match=r"expects an nn\.Module"):
+        fsdp2.fully_shard(torch.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty list"):
+        fsdp2.fully_shard([])
+
+
+def test_needs_process_group_for_default_mesh() -> None:
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fsdp2.fully_shard(nn.Linear(2, 2))

@@ -1,0 +1,222 @@
+"""Collective counts per training step, and (fsdp2 only) zero-copy all-gather inputs.
+
+Inside each rank, the collectives of ``torch.distributed`` are monkeypatched with counting
+wrappers (``all_gather_single``/``all_gather_into_tensor``/``_all_gather_base`` count as
+all-gathers, ``reduce_scatter_single``/``reduce_scatter_tensor``/``_reduce_scatter_base``
+as reduce-scatters, plus ``all_reduce``), then the Llama model (``n_layers`` blocks wrapped
+one by one, then the root) runs training steps; counts are kept per phase (forward,
+backward, optimizer step). Implementations must look these functions up on the
+``torch.distributed`` module at call time for the counts to be seen.
+
+When a count test fails, look first at the per-phase table in the message: an extra
+backward all-gather usually means a group was resharded after forward when it should not
+have been (root with ``reshard_after_forward=None``/``False``), a missing one that the
+group was never resharded; reduce-scatters must be exactly one per group with gradients.
+Expected counts follow torch's documented semantics: ``None`` = ``True`` for non-root
+modules and ``False`` for the root; an explicit ``True`` on the root reshards it as well.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch.distributed as dist
+from _helpers import (
+    IMPLS,
+    ParityCase,
+    build_model,
+    fsdp_groups,
+    get_fully_shard,
+    local_slice,
+    loss_of,
+    make_global_batch,
+    make_mesh,
+    make_optimizer,
+    require_impl,
+)
+from _launcher import run_ranks
+
+ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
+ALL_REDUCES = ("all_reduce",)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.phase = "setup"
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.raw: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        # (phase, storage data_ptr, numel) of every all-gather input
+        self.ag_inputs: list[tuple[str, int, int]] = []
+
+    def wrap(self, name: str, kind: str, fn):
+        def wrapper(*args, **kwargs):
+            self.counts[self.phase][kind] += 1
+            self.raw[self.phase][name] += 1
+            if kind == "all_gather":
+                inp = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+                if inp is None:
+                    inp = kwargs.get("input")
+                if inp is not None:
+                    self.ag_inputs.append(
+                        (self.phase, inp.untyped_storage().data_ptr(), inp.numel())
+                    )
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _patch(rec: _Recorder) -> dict:
+    originals = {}
+    for names, kind in (
+        (ALL_GATHERS, "all_gather"),
+        (REDUCE_SCATTERS, "reduce_scatter"),
+        (ALL_REDUCES, "all_reduce"),
+    ):
+        for name in names:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                originals[name] = fn
+                setattr(dist, name, rec.wrap(name, kind, fn))
+    return originals
+
+
+def _restore(originals: dict) -> None:
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+
+
+def _wrap_llama(model, impl: str, mesh, block_raf, root_raf):
+    fully_shard = get_fully_shard(impl)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=block_raf)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_raf)
+    return model
+
+
+def count_step_collectives(impl: str, n_layers: int, block_raf, root_raf, steps: int = 2):
+    """Rank function: per step, the collective counts of forward/backward/optimizer."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    case = ParityCase(impl=impl, n_layers=n_layers)
+    model = _wrap_llama(build_model(case), impl, make_mesh(), block_raf, root_raf)
+    opt = make_optimizer(model, case.lr)
+    rec = _Recorder()
+    originals = _patch(rec)
+    try:
+        for step in range(steps):
+            batch = local_slice(make_global_batch(case, step, ws), rank, case.local_batch)
+            rec.phase = f"forward{step}"
+            loss = loss_of(model, case, batch, step)
+            rec.phase = f"backward{step}"
+            loss.backward()
+            rec.phase = f"optim{step}"
+            opt.step()
+            opt.zero_grad()
+            rec.phase = "idle"
+    finally:
+        _restore(originals)
+    return {
+        "counts": {k: dict(v) for k, v in rec.counts.items()},
+        "raw": {k: dict(v) for k, v in rec.raw.items()},
+    }
+
+
+def _table(result: dict) -> str:
+    return "\n".join(f"  {phase:>10}: {result['raw'][phase]}" for phase in result["raw"])
+
+
+L = 3  # blocks; the root is one more group
+
+COUNT_CASES = {
+    # name: (block reshard_after_forward, root reshard_after_forward, expected backward AGs)
+    "default_none": (None, None, L),
+    "blocks_true_root_default": (True, None, L),
+    "all_true": (True, True, L + 1),
+    "all_false": (False, False, 0),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("variant", list(COUNT_CASES))
+def test_collectives_per_step(impl: str, variant: str) -> None:
+    require_impl(impl)
+    block_raf, root_raf, bwd_ag = COUNT_CASES[variant]
+    results = run_ranks(count_step_collectives, 2, impl, L, block_raf, root_raf)
+    for rank, result in enumerate(results):
+        c = result["counts"]
+        where = f"[{impl}, {variant}, rank {rank}] per-phase calls:\n{_table(result)}\n"
+        for step in range(2):
+            fwd = c.get(f"forward{step}", {})
+            bwd = c.get(f"backward{step}", {})
+            optim = c.get(f"optim{step}", {})
+            assert fwd.get("all_gather", 0) == L + 1, (
+                f"{where}step {step}: expected {L + 1} forward all-gathers"
+            )
+            assert fwd.get("reduce_scatter", 0) == 0, f"{where}step {step}: RS in forward"
+            assert bwd.get("all_gather", 0) == bwd_ag, (
+                f"{where}step {step}: expected {bwd_ag} backward all-gathers"
+            )
+            assert bwd.get("reduce_scatter", 0) == L + 1, (
+                f"{where}step {step}: expected {L + 1} backward reduce-scatters"
+            )
+            for phase in (fwd, bwd):
+                assert phase.get("all_reduce", 0) == 0, f"{where}step {step}: all-reduce used"
+            assert not optim, f"{where}step {step}: collectives in the optimizer step"
+
+
+# ------------------------------------------------------------------ zero-copy all-gather
+
+
+def all_gather_input_storage(impl: str, n_layers: int) -> dict:
+    """Rank function: after a training step, for every FSDP group, the storages of its
+    parameters' local shards vs. the storages of the all-gather inputs of that step."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    case = ParityCase(impl=impl, n_layers=n_layers)
+    base = build_model(case)
+    model = _wrap_llama(copy.deepcopy(base), impl, make_mesh(), True, True)
+    opt = make_optimizer(model, case.lr)
+    rec = _Recorder()
+    originals = _patch(rec)
+    try:
+        for step in range(2):
+            batch = local_slice(make_global_batch(case, step, ws), rank, case.local_batch)
+            rec.phase = f"step{step}"
+            loss_of(model, case, batch, step).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        _restore(originals)
+    ag_ptrs = {ptr for phase, ptr, _ in rec.ag_inputs if phase == "step1"}
+    groups = {}
+    for gname, params in fsdp_groups(model, impl).items():
+        groups[gname or "<root>"] = {
+            pname: p.to_local().untyped_storage().data_ptr()
+            for pname, p in params
+            if p.to_local().numel() > 0
+        }
+    return {"ag_ptrs": sorted(ag_ptrs), "groups": groups, "n_all_gathers": len(rec.ag_inputs)}
+
+
+def test_all_gather_input_is_flat_shard_view() -> None:
+    """fsdp2 only: each group's sharded parameters are views into one flat shard buffer,
+    and that buffer is what the all-gather sends (no copy-in)."""
+    require_impl("fsdp2")
+    results = run_ranks(all_gather_input_storage, 2, "fsdp2", L)
+    for rank, res in enumerate(results):
+        assert res["n_all_gathers"] > 0, f"rank {rank}: no all-gather was intercepted"
+        assert len(res["groups"]) == L + 1, f"rank {rank}: groups {list(res['groups'])}"
+        for gname, ptrs in res["groups"].items():
+            assert ptrs, f"rank {rank}: group {gname} has no parameters"
+            distinct = set(ptrs.values())
+            assert len(distinct) == 1, (
+                f"rank {rank}: group {gname}: parameters' local shards live in "
+                f"{len(distinct)} different storages (expected one flat shard buffer): {ptrs}"
+            )
+            (ptr,) = distinct
+            assert ptr in res["ag_ptrs"], (
+                f"rank {rank}: group {gname}: its flat shard storage {ptr:#x} was not the "
+                f"input of any all-gather in the step (inputs: "
+                f"{[hex(p) for p in res['ag_ptrs']]}): the all-gather copies in"
+            )

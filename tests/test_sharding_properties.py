@@ -1,0 +1,152 @@
+"""Property tests of the sharded layout, for random parameter shapes and world sizes 1-4.
+
+For every generated shape (1-D to 3-D, dim 0 in 1..9, other dims in 1..5), a module holding
+the parameter(s) is wrapped with ``fully_shard`` and, on every rank:
+
+* ``param.to_local()`` equals ``distribute_tensor(full, mesh, [Shard(0)]).to_local()``
+  exactly (shape and values) -- torch's ``Shard(0)`` chunking: ceil(dim0 / ws) rows per
+  rank, trailing ranks possibly short or empty;
+* ``param.full_tensor()`` equals the original tensor exactly;
+* (multi-parameter groups) after ``unshard()`` the registered parameters are the exact full
+  tensors, and after ``reshard()`` the sharded views are intact.
+
+Hypothesis generates *lists* of shapes in the pytest process (derandomized, no example
+database); one ``run_ranks`` call checks a whole list, so the cost is one launch per
+example list. The rank function never raises on a mismatch: it returns every problem, so a
+failure message lists all failing shapes at once (no shrinking needed). Look first at the
+smallest failing shape and whether the failing ranks are the trailing (short/empty) ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _helpers import IMPLS, get_fully_shard, make_mesh, require_impl
+from _launcher import run_ranks
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+shapes_st = st.integers(1, 3).flatmap(
+    lambda ndim: st.tuples(st.integers(1, 9), *[st.integers(1, 5)] * (ndim - 1))
+)
+
+SETTINGS = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=10,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+EDGE_SHAPES = [(1,), (2,), (4,), (5,), (9,), (1, 5), (3, 1), (9, 5, 5), (2, 1, 1), (7, 3, 2)]
+
+
+class Holder(nn.Module):
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        for i, t in enumerate(tensors):
+            self.register_parameter(f"p{i}", nn.Parameter(t.clone()))
+
+
+def _tensor_for(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen)
+
+
+def _check_local_and_full(p, full: torch.Tensor, mesh, label: str) -> list[str]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    problems = []
+    rank = dist.get_rank()
+    if tuple(p.shape) != tuple(full.shape):
+        problems.append(f"{label}: rank {rank}: global shape {tuple(p.shape)}")
+    if tuple(p.placements) != (Shard(0),):
+        problems.append(f"{label}: rank {rank}: placements {p.placements}")
+    expected = distribute_tensor(full, mesh, [Shard(0)]).to_local()
+    local = p.to_local()
+    if local.shape != expected.shape:
+        problems.append(
+            f"{label}: rank {rank}: local shape {tuple(local.shape)}, "
+            f"expected {tuple(expected.shape)}"
+        )
+    elif not torch.equal(local.detach(), expected):
+        problems.append(f"{label}: rank {rank}: local values differ")
+    gathered = p.full_tensor()
+    if not torch.equal(gathered.detach(), full):
+        problems.append(f"{label}: rank {rank}: full_tensor() differs from the original")
+    return problems
+
+
+def check_single_param_shapes(impl: str, shapes: list[tuple[int, ...]]) -> list[str]:
+    """Rank function: one module with one parameter per shape."""
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    problems: list[str] = []
+    for i, shape in enumerate(shapes):
+        full = _tensor_for(shape, i)
+        module = Holder([full])
+        label = f"shape {shape}"
+        try:
+            fully_shard(module, mesh=mesh)
+            problems += _check_local_and_full(module.p0, full, mesh, label)
+        except Exception as exc:
+            problems.append(f"{label}: rank {dist.get_rank()}: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def check_group_shapes(impl: str, groups: list[list[tuple[int, ...]]]) -> list[str]:
+    """Rank function: one module holding several parameters (one FSDP group) per entry."""
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    problems: list[str] = []
+    for i, shapes in enumerate(groups):
+        fulls = [_tensor_for(s, 1000 * i + j) for j, s in enumerate(shapes)]
+        module = Holder(fulls)
+        label = f"group {shapes}"
+        try:
+            fully_shard(module, mesh=mesh)
+            for j, full in enumerate(fulls):
+                problems += _check_local_and_full(
+                    getattr(module, f"p{j}"), full, mesh, f"{label} param {j}"
+                )
+            module.unshard()
+            for j, full in enumerate(fulls):
+                p = getattr(module, f"p{j}")
+                value = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if not torch.equal(value.detach(), full):
+                    problems.append(f"{label} param {j}: rank {dist.get_rank()}: unsharded value")
+            module.reshard()
+            for j, full in enumerate(fulls):
+                problems += _check_local_and_full(
+                    getattr(module, f"p{j}"), full, mesh, f"{label} param {j} after reshard"
+                )
+        except Exception as exc:
+            problems.append(f"{label}: rank {dist.get_rank()}: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def _report(problems_per_rank: list[list[str]]) -> None:
+    problems = [p for rank_problems in problems_per_rank for p in rank_problems]
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems[:60])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda v: f"ws{v}")
+@SETTINGS
+@given(shapes=st.lists(shapes_st, min_size=5, max_size=25))
+@example(shapes=EDGE_SHAPES)
+def test_single_param_layout(impl: str, world_size: int, shapes: list) -> None:
+    require_impl(impl)
+    _report(run_ranks(check_single_param_shapes, world_size, impl, shapes))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("world_size", [2, 3, 4], ids=lambda v: f"ws{v}")
+@SETTINGS
+@given(groups=st.lists(st.lists(shapes_st, min_size=1, max_size=4), min_size=3, max_size=8))
+@example(groups=[[(1,), (9, 5), (3,)], [(2, 1, 1), (1,)], [(9,), (4, 5, 5), (7, 3)]])
+def test_group_layout_and_unshard(impl: str, world_size: int, groups: list) -> None:
+    require_impl(impl)
+    _report(run_ranks(check_group_shapes, world_size, impl, groups))
