@@ -1,0 +1,159 @@
+"""Gradient accumulation over microbatches with ``set_requires_gradient_sync``,
+``set_reshard_after_backward``, ``set_reshard_after_forward`` and ``set_is_last_backward``.
+
+Every rank runs ``N_MICRO`` microbatches per optimizer step; the reference (one unsharded
+model) trains on the concatenation of every rank's microbatches, so after each step the
+parameters must match within 1e-5. Collectives are intercepted and counted per step:
+
+* reduce-scatters: one per group per step when only the last microbatch syncs;
+* all-gathers, with ``G`` groups of which ``L`` (the blocks) reshard after forward (the
+  root keeps its parameters, ``reshard_after_forward=None``):
+
+  - resharding after every backward: each microbatch gathers ``G`` in forward and ``L`` in
+    backward: ``N * (G + L)``;
+  - ``set_reshard_after_backward(False)`` on all but the last microbatch: parameters stay
+    unsharded from one microbatch to the next, so only the first forward gathers:
+    ``G + N * L`` (the blocks still reshard after forward and gather again in backward);
+  - additionally ``set_reshard_after_forward(False)``: ``G`` (the first forward only).
+
+If a count test fails, look at the per-step list of (kind, group) in the message: a missing
+backward all-gather means a group was not resharded after forward; an extra forward one
+means ``reshard_after_backward=False`` did not keep it unsharded.
+
+The docs example (the first ```python block of docs/gradient_accumulation.md) is executed
+on 2 ranks as well; it asserts its own result.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch.distributed as dist
+from _control_helpers import (
+    HIDDENS,
+    TOL,
+    CollectiveLog,
+    adamw,
+    build_net,
+    clone_model,
+    global_batch,
+    group_numels,
+    max_param_diff,
+    mse,
+    rank_slice,
+    reference_step,
+    shard_net,
+)
+from _helpers import IMPLS, require_impl
+from _launcher import run_ranks
+
+N_MICRO = 3
+MICRO_ROWS = 2
+STEPS = 2
+L = len(HIDDENS)
+G = L + 1
+
+# variant: (reshard_after_backward on non-last microbatches, reshard_after_forward for all,
+#           sync every microbatch, use set_is_last_backward, expected AGs, expected RSs)
+VARIANTS = {
+    "reshard_after_backward": (True, None, False, False, N_MICRO * (G + L), G),
+    "keep_unsharded_between_microbatches": (False, None, False, False, G + N_MICRO * L, G),
+    "no_reshard_until_last_backward": (False, False, False, False, G, G),
+    "is_last_backward": (True, None, False, True, N_MICRO * (G + L), G),
+    "sync_every_microbatch": (True, None, True, True, N_MICRO * (G + L), N_MICRO * G),
+}
+
+
+def accumulate(impl: str, variant: str) -> dict:
+    """Rank function: STEPS optimizer steps of N_MICRO microbatches each."""
+    rab, raf, sync_every, use_is_last, _, _ = VARIANTS[variant]
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = build_net()
+    model = shard_net(clone_model(ref), impl)
+    if raf is not None:
+        model.set_reshard_after_forward(raf)
+    ref_opt, opt = adamw(ref), adamw(model)
+    report: dict = {"steps": []}
+    with CollectiveLog(group_numels(ref, ws)) as log:
+        for step in range(STEPS):
+            batch = global_batch(step, ws * N_MICRO * MICRO_ROWS)
+            ref_loss = reference_step(ref, ref_opt, batch)
+            local = rank_slice(batch, rank, ws)
+            log.phase = f"step{step}"
+            loss_sum = 0.0
+            for i in range(N_MICRO):
+                last = i == N_MICRO - 1
+                model.set_requires_gradient_sync(last or sync_every)
+                model.set_reshard_after_backward(last or rab)
+                if use_is_last:
+                    model.set_is_last_backward(last)
+                micro = tuple(t[i * MICRO_ROWS : (i + 1) * MICRO_ROWS] for t in local)
+                loss = mse(model, micro) / N_MICRO
+                loss.backward()
+                loss_sum += loss.item()
+            log.phase = ""
+            opt.step()
+            opt.zero_grad()
+            report["steps"].append(
+                {
+                    "ag": log.count("AG", f"step{step}"),
+                    "rs": log.count("RS", f"step{step}"),
+                    "calls": [(c.kind, c.group) for c in log.calls if c.phase == f"step{step}"],
+                    "rs_groups": sorted(log.groups("RS", f"step{step}")),
+                    "loss": loss_sum,
+                    "ref_loss": ref_loss,
+                    "param_worst": max_param_diff(ref, model),
+                }
+            )
+    # After the last backward of a step every group must be sharded again.
+    report["all_sharded"] = all(
+        type(p).__name__ == "DTensor" for p in model.parameters()
+    )  # parameters registered on the modules are the sharded DTensors again
+    return report
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grad_accumulation(impl: str, variant: str) -> None:
+    require_impl(impl)
+    *_, expected_ag, expected_rs = VARIANTS[variant]
+    reports = run_ranks(accumulate, 2, impl, variant)
+    for rank, report in enumerate(reports):
+        for s, e in enumerate(report["steps"]):
+            where = f"[{impl}, {variant}, rank {rank}, step {s}] calls {e['calls']}"
+            assert e["rs"] == expected_rs, f"{where}: {e['rs']} reduce-scatters, expected {expected_rs}"
+            assert set(e["rs_groups"]) == {"root"} | {f"blocks.{i}" for i in range(L)}, where
+            assert e["ag"] == expected_ag, f"{where}: {e['ag']} all-gathers, expected {expected_ag}"
+            name, diff = e["param_worst"]
+            assert diff <= TOL, f"{where}: parameter {name} differs from the reference by {diff:.3g}"
+        assert report["all_sharded"], f"[{impl}, {variant}, rank {rank}] parameters left unsharded"
+    # The mean of the local losses over ranks is the reference (global-batch) loss.
+    for s in range(STEPS):
+        mean = sum(r["steps"][s]["loss"] for r in reports) / len(reports)
+        ref = reports[0]["steps"][s]["ref_loss"]
+        assert abs(mean - ref) <= TOL * max(1.0, abs(ref)), (impl, variant, s, mean, ref)
+
+
+# ------------------------------------------------------------------ the docs example
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "gradient_accumulation.md"
+
+
+def first_python_block(path: pathlib.Path) -> str:
+    match = re.search(r"```python\n(.*?)```", path.read_text(), re.DOTALL)
+    assert match, f"no ```python block in {path}"
+    return match.group(1)
+
+
+def exec_doc_example(source: str, filename: str) -> bool:
+    """Rank function: run a docs example as a script (it asserts its own result)."""
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), namespace)
+    return True
+
+
+def test_docs_example() -> None:
+    require_impl("fsdp2")
+    assert all(run_ranks(exec_doc_example, 2, first_python_block(DOC), str(DOC)))
