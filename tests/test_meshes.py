@@ -1,0 +1,362 @@
+"""Meshes: HSDP on a 2-D (replicate, shard) mesh, ``reshard_after_forward=int``.
+
+Each test trains the Llama model sharded on a 4-rank mesh next to a non-sharded reference
+on the same global batch and records every collective with the size of its process group.
+When a parity check fails, look at the recorded collectives first: an HSDP gradient must
+be reduce-scattered over the shard group (2 ranks) then all-reduced over the replicate
+group (2 ranks); with int resharding, the backward all-gathers must span 2 ranks.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _helpers import (
+    ParityCase,
+    build_model,
+    compare_params,
+    get_fully_shard,
+    local_slice,
+    loss_of,
+    make_global_batch,
+    make_optimizer,
+    require_impl,
+)
+from _launcher import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+
+from examples.llama import parallelize
+
+TOL = 1e-5
+
+
+def _record_collectives(
+    log: list[tuple[str, int]], volume: collections.Counter | None = None
+) -> None:
+    """Patch torch.distributed so each collective logs (kind, group size); ``volume``
+    sums the elements of each collective's full-size buffer per (kind, group size): the
+    all-gather output, the reduce-scatter input, the all-reduce tensor."""
+    kinds = {
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "all_reduce": "all_reduce",
+    }
+    for name, kind in kinds.items():
+        original = getattr(dist, name, None)
+        if original is None or getattr(original, "_recording", False):
+            continue
+
+        def wrapper(*args, _orig=original, _kind=kind, **kwargs):
+            group = kwargs.get("group")
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            log.append((_kind, size))
+            if volume is not None:
+                values = [*args, *kwargs.values()]
+                tensors = [a for a in values if isinstance(a, torch.Tensor)]
+                big = tensors[0] if _kind == "all_reduce" else max(tensors, key=torch.numel)
+                volume[(_kind, size)] += big.numel()
+            return _orig(*args, **kwargs)
+
+        wrapper._recording = True  # type: ignore[attr-defined]
+        wrapper._original = original  # type: ignore[attr-defined]
+        setattr(dist, name, wrapper)
+
+
+def _restore_collectives() -> None:
+    for name in (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_reduce",
+    ):
+        fn = getattr(dist, name, None)
+        if fn is not None and getattr(fn, "_recording", False):
+            setattr(dist, name, fn._original)
+
+
+def _train(
+    impl: str,
+    mesh_shape: tuple[int, ...],
+    reshard: bool | int | None,
+    microbatches: int,
+    all_reduce_on_last_only: bool,
+) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    case = ParityCase(impl=impl, steps=3)
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    ref = build_model(case)
+    model = copy.deepcopy(ref)
+    parallelize(model, get_fully_shard(impl), mesh=mesh, reshard_after_forward=reshard)
+    opt, ref_opt = make_optimizer(model, case.lr), make_optimizer(ref, case.lr)
+    log: list[tuple[str, int]] = []
+    volume: collections.Counter = collections.Counter()
+    worst = []
+    per_step_logs = []
+    try:
+        for step in range(case.steps):
+            micro = [make_global_batch(case, step * 10 + i, ws) for i in range(microbatches)]
+            log.clear()
+            volume.clear()
+            _record_collectives(log, volume)
+            for i, batch in enumerate(micro):
+                if all_reduce_on_last_only:
+                    model.set_requires_all_reduce(i == len(micro) - 1)
+                local = local_slice(batch, rank, case.local_batch)
+                (loss_of(model, case, local, step) / microbatches).backward()
+            _restore_collectives()
+            per_step_logs.append(collections.Counter(log))
+            for batch in micro:
+                (loss_of(ref, case, batch, step) / microbatches).backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            worst.append(compare_params(ref, model))
+    finally:
+        _restore_collectives()
+    placements = [tuple(type(p).__name__ for p in param.placements) for param in model.parameters()]
+    root_numel = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    return {
+        "worst": worst,
+        "counts": per_step_logs,
+        "placements": placements,
+        "volume": dict(volume),
+        "numel": sum(p.numel() for p in model.parameters()),
+        "root_numel": root_numel,
+    }
+
+
+def _check_parity(reports: list[dict]) -> None:
+    for rank, rep in enumerate(reports):
+        for step, (name, diff) in enumerate(rep["worst"]):
+            assert diff <= TOL, f"rank {rank} step {step}: {name} differs by {diff:.3g}"
+
+
+N_GROUPS = 3  # 2 blocks + root
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_hsdp_2x2_parity(impl: str) -> None:
+    require_impl(impl)
+    reports = run_ranks(_train, 4, impl, (2, 2), None, 1, False)
+    _check_parity(reports)
+    assert set(reports[0]["placements"]) == {("Replicate", "Shard")}
+    counts = reports[0]["counts"][-1]
+    # Recording spans forward and backward of the last step.
+    assert counts[("reduce_scatter", 2)] == N_GROUPS
+    assert counts[("all_reduce", 2)] == N_GROUPS
+    assert counts[("all_gather", 2)] == N_GROUPS + (N_GROUPS - 1)  # root not resharded
+    assert not any(size == 4 for (_, size) in counts), counts
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_hsdp_accumulation_skips_all_reduce(impl: str) -> None:
+    require_impl(impl)
+    reports = run_ranks(_train, 4, impl, (2, 2), None, 3, True)
+    _check_parity(reports)
+    counts = reports[0]["counts"][-1]
+    # Reduce-scatter every microbatch (gradient sync is on), all-reduce only on the last.
+    assert counts[("reduce_scatter", 2)] == 3 * N_GROUPS
+    assert counts[("all_reduce", 2)] == N_GROUPS
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_int_reshard_after_forward(impl: str) -> None:
+    require_impl(impl)
+    reports = run_ranks(_train, 4, impl, (4,), 2, 1, False)
+    _check_parity(reports)
+    counts = reports[0]["counts"][-1]
+    # Forward all-gathers span all 4 ranks; backward ones only the 2-rank post-forward group
+    # (the root, whose reshard_after_forward is also 2 here, included).
+    assert counts[("all_gather", 4)] == N_GROUPS
+    assert counts[("all_gather", 2)] == N_GROUPS
+    assert counts[("reduce_scatter", 4)] == N_GROUPS
+
+
+@pytest.mark.parametrize(("value", "expected_backward_all_gathers"), [(4, 3), (1, 0)])
+def test_int_reshard_extremes_behave_as_bool(
+    value: int, expected_backward_all_gathers: int
+) -> None:
+    reports = run_ranks(_train, 4, "fsdp2", (4,), value, 1, False)
+    _check_parity(reports)
+    counts = reports[0]["counts"][-1]
+    assert counts[("all_gather", 4)] == N_GROUPS + expected_backward_all_gathers
+    assert counts[("all_gather", 2)] == 0
+
+
+def _bad_int(value: int) -> str:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    try:
+        get_fully_shard("fsdp2")(torch.nn.Linear(4, 4), mesh=mesh, reshard_after_forward=value)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("value", [3, 0, -2, 8])
+def test_int_reshard_validation(value: int) -> None:
+    messages = run_ranks(_bad_int, 4, value)
+    assert "positive divisor of the shard group size 4" in messages[0], messages[0]
+
+
+def _shard_dim1(param: torch.nn.Parameter):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1) if param.dim() == 2 else None
+
+
+def _train_shard_dim1(impl: str) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    case = ParityCase(impl=impl, steps=3)
+    mesh = init_device_mesh("cpu", (ws,))
+    ref = build_model(case)
+    model = copy.deepcopy(ref)
+    parallelize(model, get_fully_shard(impl), mesh=mesh, shard_placement_fn=_shard_dim1)
+    opt, ref_opt = make_optimizer(model, case.lr), make_optimizer(ref, case.lr)
+    worst = []
+    for step in range(case.steps):
+        batch = make_global_batch(case, step, ws)
+        loss_of(model, case, local_slice(batch, rank, case.local_batch), step).backward()
+        loss_of(ref, case, batch, step).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        worst.append(compare_params(ref, model))
+    dims = {n: [p.dim for p in param.placements] for n, param in model.named_parameters()}
+    local_shapes = {n: tuple(param.to_local().shape) for n, param in model.named_parameters()}
+    return {"worst": worst, "dims": dims, "local_shapes": local_shapes}
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shard_placement_dim1_parity(impl: str, world_size: int) -> None:
+    require_impl(impl)
+    reports = run_ranks(_train_shard_dim1, world_size, impl)
+    _check_parity(reports)
+    rep = reports[0]
+    assert rep["dims"]["layers.0.attention.wq.weight"] == [1]
+    assert rep["dims"]["norm.weight"] == [0]
+    assert rep["local_shapes"]["layers.0.attention.wq.weight"] == (32, 32 // world_size)
+
+
+def _uneven_dim1() -> str:
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    try:
+        get_fully_shard("fsdp2")(
+            torch.nn.Linear(5, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_shard_placement_uneven_dim_is_rejected() -> None:
+    message = run_ranks(_uneven_dim1, 2)[0]
+    assert "divisible by the shard group size 2" in message, message
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "reshard"), [((4,), None), ((4,), False), ((2, 2), None), ((4,), 2)]
+)
+def test_communication_volume_matches_docs(mesh_shape: tuple[int, ...], reshard) -> None:
+    """The per-step volumes docs/meshes.md gives, in elements of the full-size buffers
+    (P: parameters; P_root: the root group's, never resharded with None)."""
+    rep = run_ranks(_train, 4, "fsdp2", mesh_shape, reshard, 1, False)[0]
+    P, P_root, vol = rep["numel"], rep["root_numel"], rep["volume"]
+    W = mesh_shape[-1]
+    resharded = {None: P - P_root, False: 0, 2: P}[reshard]
+    if reshard == 2:
+        assert vol[("all_gather", 4)] == P  # forward, over all 4 ranks
+        assert vol[("all_gather", 2)] == P  # backward, within pairs
+    else:
+        assert vol[("all_gather", W)] == P + resharded
+    assert vol[("reduce_scatter", W)] == P
+    if len(mesh_shape) == 2:
+        assert vol[("all_reduce", 2)] == P // W  # each rank all-reduces its shard
+
+
+def _tp_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def _train_fsdp_tp(impls: tuple[str, ...]) -> dict:
+    """2 (dp) x 2 (tp): TP inside each block, FSDP over dp; SGD so that the comparison
+    with the reference is not dominated by Adam's normalization of near-zero gradients."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    case = ParityCase(steps=3)
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = world["dp"].get_local_rank()
+    ref = build_model(case)
+    models = {}
+    log: list[tuple[str, int]] = []
+    for impl in impls:
+        model = copy.deepcopy(ref)
+        for block in model.layers:
+            block.attention.n_heads //= 2  # heads per TP rank
+            block.attention.n_kv_heads //= 2
+            parallelize_module(block, world["tp"], _tp_plan())
+            get_fully_shard(impl)(block, mesh=world["dp"])
+        get_fully_shard(impl)(model, mesh=world["dp"])
+        models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    worst: dict[str, list[float]] = {impl: [] for impl in impls}
+    for step in range(case.steps):
+        batch = make_global_batch(case, step, 2)
+        for impl, (model, opt) in models.items():
+            if impl == "fsdp2" and step == case.steps - 1:
+                _record_collectives(log)
+            loss_of(model, case, local_slice(batch, dp_rank, case.local_batch), step).backward()
+            _restore_collectives()
+            opt.step()
+            opt.zero_grad()
+        loss_of(ref, case, batch, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for impl, (model, _) in models.items():
+            worst[impl].append(compare_params(ref, model)[1])
+    params = {impl: [p.full_tensor() for p in m.parameters()] for impl, (m, _) in models.items()}
+    same = all(torch.equal(a, b) for a, b in zip(*params.values())) if len(impls) == 2 else None
+    wq = models[impls[0]][0].layers[0].attention.wq.weight
+    return {
+        "worst": worst,
+        "bitwise_equal": same,
+        "placements": [type(p).__name__ for p in wq.placements],
+        "mesh_ndim": wq.device_mesh.ndim,
+        "collectives": collections.Counter(log),
+    }
+
+
+def test_fsdp_with_tensor_parallel_2x2() -> None:
+    reports = run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"))
+    for rank, rep in enumerate(reports):
+        for impl, diffs in rep["worst"].items():
+            assert max(diffs) <= TOL, f"rank {rank} {impl}: max diff {max(diffs):.3g}"
+        assert rep["bitwise_equal"], f"rank {rank}: fsdp2 and torch differ"
+        assert rep["mesh_ndim"] == 2
+        assert rep["placements"] == ["_StridedShard", "Shard"]
+        # FSDP's all-gathers and reduce-scatters span the 2 dp ranks only.
+        counts = rep["collectives"]
+        assert counts[("all_gather", 2)] >= N_GROUPS and counts[("reduce_scatter", 2)] == N_GROUPS
+        assert counts[("all_gather", 4)] == 0 and counts[("reduce_scatter", 4)] == 0
