@@ -126,7 +126,9 @@ def fully_shard(
             mp_policy,
             offload_policy,
         )
-        mark_managed((sp.sharded_param for sp in sharded), label)
+        # Mark the replaced originals too: another module may still hold one (a weight tied
+        # across groups), and sharding it again would silently untie the weights.
+        mark_managed([sp.sharded_param for sp in sharded] + [item[0] for item in found], label)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             subgroup, index = post_forward_group(mesh, reshard_after_forward)
             group.set_post_forward_group(subgroup, reshard_after_forward, index)
@@ -342,16 +344,73 @@ class FSDPModule:
             group.all_reduce_hook = hook
             group.all_reduce_hook_stream = stream
 
-    def set_reduce_scatter_max_input_buffers(self, count: int) -> None:
-        """How many reduce-scatters (and their input buffers) may be in flight at once."""
-        if not isinstance(count, int) or count < 1:
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatters (and their input buffers) may be in flight at once.
+        The limit belongs to the communication context the whole tree shares, so the
+        root's setting is the one that counts; ``recurse`` exists for torch parity."""
+        valid = isinstance(max_input_buffers, int) and not isinstance(max_input_buffers, bool)
+        if not valid or max_input_buffers < 1:
             raise ValueError(
-                f"set_reduce_scatter_max_input_buffers expects an int >= 1, got {count!r}."
+                f"set_reduce_scatter_max_input_buffers expects an int >= 1, "
+                f"got {max_input_buffers!r}."
             )
-        state = self._fsdp_state
-        state.max_reduces_in_flight = count
-        if state.tree is not None and state.tree.root is state:
-            state.tree.comm.max_reduces_in_flight = count
+        for state in self._states(recurse):
+            state.max_reduces_in_flight = max_input_buffers
+            if state.tree is not None and state.tree.root is state:
+                state.tree.comm.max_reduces_in_flight = max_input_buffers
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Accepted for torch parity; fsdp2 always includes parameters without a local
+        gradient (as zeros) in their group's reduce-scatter, because which parameters a
+        rank used can differ between ranks and a rank-dependent collective size would hang.
+        Both values therefore give the same, always-safe behaviour."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise ValueError(
+                f"set_reduce_scatter_unused_params expects a bool, got "
+                f"{reduce_scatter_unused_params!r}."
+            )
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__}.set_custom_all_gather: custom all-gather implementations "
+            f"are not supported by fsdp2 yet; fsdp2 calls torch.distributed's all-gather, "
+            f"which you can patch for the whole process instead."
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__}.set_custom_reduce_scatter: custom reduce-scatter "
+            f"implementations are not supported by fsdp2 yet; use set_all_reduce_hook to "
+            f"post-process the reduced gradient shard."
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        if enable:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm(True): "
+                f"backend-allocated communication buffers are not supported by fsdp2 yet; "
+                f"buffers come from the caching allocator of the mesh's device."
+            )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        if enable:
+            raise NotImplementedError(
+                f"{type(self).__name__}.set_separate_reduce_scatter_group(True) is not "
+                f"supported by fsdp2 yet: all-gathers and reduce-scatters share the mesh's "
+                f"process group (on separate streams)."
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__}.set_symm_mem_for_comm: symmetric-memory collectives are "
+            f"not supported by fsdp2 yet."
+        )
 
     def reset_iter_state(self) -> None:
         """Recover after an exception in the middle of a step: reshard everything, drop

@@ -42,7 +42,19 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def _is_torch_policy(policy: object, name: str) -> bool:
+    """torch.distributed.fsdp's policy classes (matched by name: fsdp2 never imports
+    torch.distributed.fsdp). Users who switch by import may still build policies there."""
+    cls = type(policy)
+    return cls.__module__.startswith("torch.distributed.fsdp") and cls.__name__ == name
+
+
 def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    if _is_torch_policy(policy, "MixedPrecisionPolicy"):
+        policy = MixedPrecisionPolicy(**{f: getattr(policy, f) for f in _MP_FIELDS})
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(
             f"fully_shard(mp_policy=...) expects a fsdp2.MixedPrecisionPolicy, got "
@@ -61,6 +73,10 @@ def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
 
 
 def validate_offload_policy(policy: object) -> OffloadPolicy:
+    if _is_torch_policy(policy, "CPUOffloadPolicy"):
+        policy = CPUOffloadPolicy(pin_memory=bool(getattr(policy, "pin_memory", True)))
+    elif _is_torch_policy(policy, "OffloadPolicy"):
+        policy = OffloadPolicy()
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(
             f"fully_shard(offload_policy=...) expects fsdp2.OffloadPolicy() or "

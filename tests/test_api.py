@@ -79,3 +79,23 @@ def test_needs_process_group_for_default_mesh() -> None:
         pytest.skip("a process group is initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         fsdp2.fully_shard(nn.Linear(2, 2))
+
+
+def test_fsdp_module_methods_match_torch() -> None:
+    """Every public FSDPModule method torch has exists here with the same parameters
+    (names, kinds, defaults), so calls written against torch keep working."""
+    import inspect
+
+    from torch.distributed import fsdp as torch_fsdp
+
+    def params(fn: object) -> list[tuple[str, object, object]]:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+    theirs = {n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_")}
+    ours = {n for n in dir(fsdp2.FSDPModule) if not n.startswith("_")}
+    assert theirs <= ours, sorted(theirs - ours)
+    for name in sorted(theirs):
+        assert params(getattr(fsdp2.FSDPModule, name)) == params(
+            getattr(torch_fsdp.FSDPModule, name)
+        ), name

@@ -24,6 +24,8 @@ Where torch differs (documented in docs/torch_mapping.md):
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,6 +50,7 @@ from _control_helpers import (
 )
 from _helpers import IMPLS, is_dtensor, require_impl
 from _launcher import run_ranks
+from test_grad_accumulation import exec_doc_example, first_python_block
 from torch.distributed.tensor import DTensor
 
 GROUPS = ["root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
@@ -564,3 +567,12 @@ def test_set_reshard_after_forward(impl: str) -> None:
     for report in run_ranks(reshard_after_forward_switch, 2, impl):
         assert report["counts"] == expected, report["counts"]
 
+
+
+CONTROL_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "control.md"
+
+
+def test_docs_example() -> None:
+    require_impl("fsdp2")
+    source = first_python_block(CONTROL_DOC)
+    assert all(run_ranks(exec_doc_example, 2, source, str(CONTROL_DOC)))

@@ -1,0 +1,277 @@
+"""Every validation error fsdp2 raises, provoked once and matched against its message.
+
+Bad input must fail loudly, name the module or parameter, and say what to do instead of
+hanging or computing on shards. One rank function on 2 gloo ranks provokes every error
+(most need a process group and a mesh) and returns ``{case: (exception type, message)}``;
+each case is then a parametrized test, so a changed message fails exactly one test.
+Errors that need no process group are in ``test_api.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _launcher import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+import fsdp2
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 2
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+
+def _mesh() -> Any:
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _sharded_root() -> Root:
+    mesh = _mesh()
+    model = Root()
+    fsdp2.fully_shard(model.a, mesh=mesh)
+    fsdp2.fully_shard(model.b, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _case_fns() -> dict[str, Callable[[], object]]:
+    """Each function must raise; the key names the case."""
+    x = torch.randn(2, 4)
+
+    def forward_called_directly() -> None:
+        model = _sharded_root()
+        model(x)  # lazy init; every block reshards after forward
+        model.a.forward(x)
+
+    def unregistered_method() -> None:
+        model = _sharded_root()
+        model(x)
+        model.a.generate(x)
+
+    def first_forward_not_through_root() -> None:
+        model = _sharded_root()
+        model.a(x)  # makes `a` the root of its own tree
+        model(x)
+
+    def shared_param_across_groups() -> None:
+        mesh = _mesh()
+        model = Root()
+        model.b.lin.weight = model.a.lin.weight
+        fsdp2.fully_shard(model.a, mesh=mesh)
+        fsdp2.fully_shard(model.b, mesh=mesh)
+
+    def zero_dim_param() -> None:
+        fsdp2.fully_shard(WithScalar(), mesh=_mesh())
+
+    def applied_twice() -> None:
+        block = Block()
+        fsdp2.fully_shard(block, mesh=_mesh())
+        fsdp2.fully_shard(block, mesh=_mesh())
+
+    def deepcopy_sharded() -> None:
+        copy.deepcopy(_sharded_root())
+
+    def mesh_not_a_device_mesh() -> None:
+        fsdp2.fully_shard(Block(), mesh="cpu")  # type: ignore[arg-type]
+
+    def mesh_3d() -> None:
+        fsdp2.fully_shard(Block(), mesh=init_device_mesh("cpu", (1, 1, dist.get_world_size())))
+
+    def dp_mesh_dims() -> None:
+        fsdp2.fully_shard(Block(), mesh=_mesh(), dp_mesh_dims=object())  # type: ignore[call-arg]
+
+    def reshard_int_not_divisor() -> None:
+        fsdp2.fully_shard(Block(), mesh=_mesh(), reshard_after_forward=3)
+
+    def placement_not_shard() -> None:
+        fsdp2.fully_shard(Block(), mesh=_mesh(), shard_placement_fn=lambda p: Replicate())
+
+    def placement_dim_out_of_range() -> None:
+        fsdp2.fully_shard(Block(), mesh=_mesh(), shard_placement_fn=lambda p: Shard(p.dim()))
+
+    def placement_uneven_dim() -> None:
+        model = nn.Linear(3, 4)  # weight (4, 3): dim 1 of size 3 over 2 ranks
+        fsdp2.fully_shard(model, mesh=_mesh(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+
+    def ignored_not_a_parameter() -> None:
+        fsdp2.fully_shard(Block(), mesh=_mesh(), ignored_params={torch.ones(2)})
+
+    def ignored_not_owned() -> None:
+        other = nn.Linear(2, 2)
+        fsdp2.fully_shard(Block(), mesh=_mesh(), ignored_params={other.weight})
+
+    def set_reshard_after_forward_not_bool() -> None:
+        _sharded_root().set_reshard_after_forward(2)  # type: ignore[arg-type]
+
+    def divide_factor_not_positive() -> None:
+        _sharded_root().set_gradient_divide_factor(0)
+
+    def all_reduce_hook_not_callable() -> None:
+        _sharded_root().set_all_reduce_hook("sum")  # type: ignore[arg-type]
+
+    def max_input_buffers_zero() -> None:
+        _sharded_root().set_reduce_scatter_max_input_buffers(0)
+
+    def prefetch_unsharded_module() -> None:
+        _sharded_root().set_modules_to_forward_prefetch([nn.Linear(2, 2)])  # type: ignore[list-item]
+
+    def share_comm_ctx_empty() -> None:
+        fsdp2.share_comm_ctx([])
+
+    def share_comm_ctx_after_forward() -> None:
+        model = _sharded_root()
+        model(x)
+        fsdp2.share_comm_ctx([model.a, model.b])
+
+    def register_method_not_sharded() -> None:
+        fsdp2.register_fsdp_forward_method(Block(), "generate")
+
+    def register_method_missing() -> None:
+        fsdp2.register_fsdp_forward_method(_sharded_root().a, "sample")
+
+    def custom_all_gather() -> None:
+        _sharded_root().set_custom_all_gather(object())
+
+    def custom_reduce_scatter() -> None:
+        _sharded_root().set_custom_reduce_scatter(object())
+
+    def separate_reduce_scatter_group() -> None:
+        _sharded_root().set_separate_reduce_scatter_group(True)
+
+    def symm_mem_for_comm() -> None:
+        _sharded_root().set_symm_mem_for_comm()
+
+    def process_group_allocated_buffers() -> None:
+        _sharded_root().set_allocate_memory_from_process_group_for_comm(True)
+
+    def unused_params_not_bool() -> None:
+        _sharded_root().set_reduce_scatter_unused_params(1)  # type: ignore[arg-type]
+
+    return {
+        name: fn
+        for name, fn in locals().items()
+        if callable(fn) and not name.startswith("_") and name != "x"
+    }
+
+
+def provoke_all() -> dict[str, tuple[str, str]]:
+    """Rank function: run every case, record what it raised (or that it did not)."""
+    torch.manual_seed(0)
+    results: dict[str, tuple[str, str]] = {}
+    for name, fn in _case_fns().items():
+        try:
+            fn()
+        except Exception as error:  # the type is asserted by the test
+            results[name] = (type(error).__name__, str(error))
+        else:
+            results[name] = ("no error", "")
+    return results
+
+
+# case -> (exception type, regex the message must match)
+EXPECTED: dict[str, tuple[str, str]] = {
+    "forward_called_directly": ("RuntimeError", r"Block\.forward\(\) was called directly.*unshard\(\)"),
+    "unregistered_method": (
+        "RuntimeError",
+        r"FSDPBlock\.generate\(\) computed on sharded parameters.*register_fsdp_forward_method"
+        r"\(module, 'generate'\).*unshard\(\)",
+    ),
+    "first_forward_not_through_root": ("RuntimeError", r"outermost sharded module"),
+    "shared_param_across_groups": ("ValueError", r"parameter 'lin\.weight' is already managed"),
+    "zero_dim_param": ("ValueError", r"0-dim parameter 'temperature'.*ignored_params"),
+    "applied_twice": ("ValueError", r"already applied to this FSDPBlock"),
+    "deepcopy_sharded": ("RuntimeError", r"copy\.deepcopy of a sharded FSDPRoot.*before fully_shard"),
+    "mesh_not_a_device_mesh": ("TypeError", r"expects a DeviceMesh, got str"),
+    "mesh_3d": ("ValueError", r"got a 3-D mesh"),
+    "dp_mesh_dims": ("NotImplementedError", r"dp_mesh_dims"),
+    "reshard_int_not_divisor": ("ValueError", r"reshard_after_forward=3.*divisor of the shard group"),
+    "placement_not_shard": ("TypeError", r"shard_placement_fn returned Replicate\(\) for 'lin\.weight'"),
+    "placement_dim_out_of_range": ("ValueError", r"Shard\(2\) for 'lin\.weight'.*must be in"),
+    "placement_uneven_dim": ("ValueError", r"Shard\(1\) for 'weight' of shape \(4, 3\).*divisible"),
+    "ignored_not_a_parameter": ("TypeError", r"ignored_params.*nn\.Parameter.*got Tensor"),
+    "ignored_not_owned": ("ValueError", r"ignored_params.*not a parameter of this module"),
+    "set_reshard_after_forward_not_bool": ("ValueError", r"set_reshard_after_forward expects a bool"),
+    "divide_factor_not_positive": ("ValueError", r"positive number, got 0"),
+    "all_reduce_hook_not_callable": ("ValueError", r"expects a callable, got 'sum'"),
+    "max_input_buffers_zero": ("ValueError", r"int >= 1, got 0"),
+    "prefetch_unsharded_module": ("ValueError", r"set_modules_to_forward_prefetch.*got Linear"),
+    "share_comm_ctx_empty": ("ValueError", r"non-empty list"),
+    "share_comm_ctx_after_forward": ("RuntimeError", r"already ran its first forward"),
+    "register_method_not_sharded": ("ValueError", r"module fully_shard was applied to, got Block"),
+    "register_method_missing": ("ValueError", r"FSDPBlock has no method named 'sample'"),
+    "custom_all_gather": ("NotImplementedError", r"FSDPRoot\.set_custom_all_gather"),
+    "custom_reduce_scatter": ("NotImplementedError", r"FSDPRoot\.set_custom_reduce_scatter"),
+    "separate_reduce_scatter_group": ("NotImplementedError", r"set_separate_reduce_scatter_group"),
+    "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
+    "process_group_allocated_buffers": ("NotImplementedError", r"backend-allocated"),
+    "unused_params_not_bool": ("ValueError", r"set_reduce_scatter_unused_params expects a bool"),
+}
+
+
+@pytest.fixture(scope="module")
+def provoked() -> dict[str, tuple[str, str]]:
+    return run_ranks(provoke_all, 2)[0]
+
+
+def test_every_case_is_expected(provoked: dict[str, tuple[str, str]]) -> None:
+    assert sorted(provoked) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_error_message(provoked: dict[str, tuple[str, str]], case: str) -> None:
+    kind, pattern = EXPECTED[case]
+    got_kind, message = provoked[case]
+    assert got_kind == kind, f"{case}: expected {kind}, got {got_kind}: {message}"
+    assert re.search(pattern, message, flags=re.DOTALL), message
+
+
+def accepts_torch_policies() -> list[str]:
+    """Users who switch by import may keep building policies from torch."""
+    from torch.distributed import fsdp as torch_fsdp
+
+    model = Block()
+    fsdp2.fully_shard(
+        model,
+        mesh=_mesh(),
+        mp_policy=torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.float64),
+        offload_policy=torch_fsdp.OffloadPolicy(),
+    )
+    out = model(torch.randn(2, 4, dtype=torch.float64))
+    return [str(out.dtype), str(model._fsdp_state.group.param_dtype)]
+
+
+def test_torch_policy_objects_are_accepted() -> None:
+    assert run_ranks(accepts_torch_policies, 2)[0] == ["torch.float64", "torch.float64"]
