@@ -23,6 +23,13 @@ Run it with::
     torchrun --standalone --nproc-per-node 2 examples/train_llama.py
     torchrun --standalone --nproc-per-node 2 examples/train_llama.py --impl torch
     torchrun --standalone --nproc-per-node 2 examples/train_llama.py --mixed-precision bf16
+    torchrun --standalone --nproc-per-node 2 examples/train_llama.py --checkpoint-dir ckpt
+    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --checkpoint-dir ckpt --resume
+
+With ``--checkpoint-dir`` the model, the optimizer and the step are saved with
+``fsdp2.save_checkpoint`` (sharded ``torch.distributed.checkpoint``, crash-safe: a killed
+save never replaces the previous checkpoint) every ``--checkpoint-every`` steps and at the
+end; ``--resume`` loads the latest one, at any world size, and continues from its step.
 
 ``--impl torch`` runs the same script with PyTorch's own
 ``torch.distributed.fsdp.fully_shard`` for comparison. It runs on CPU with the gloo
@@ -102,7 +109,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="recompute each block's activations in backward",
     )
-    # Checkpointing hook: --checkpoint-dir and --resume belong here (see TrainState).
+    # Checkpointing.
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save {model, optimizer, TrainState} here (fsdp2.save_checkpoint); a directory "
+        "every rank can see",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="also save every N steps (0: only after the last step)",
+    )
+    parser.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        default=2,
+        help="keep the newest K checkpoints, delete older ones",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (start from step 0 "
+        "if there is none yet), at any world size; keep --batch-size times the world size "
+        "to continue on the same global batches",
+    )
     args = parser.parse_args(argv)
 
     if args.steps < 1:
@@ -113,6 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--dim / --heads must be even (rotary embeddings rotate channel pairs)")
     if args.seq_len < 2:
         parser.error("--seq-len must be at least 2")
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be >= 0")
+    if args.checkpoint_keep < 1:
+        parser.error("--checkpoint-keep must be at least 1")
+    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
     return args
 
 
@@ -259,9 +297,10 @@ class SyntheticTokens:
 class TrainState:
     """Progress that a checkpoint must save next to the model and optimizer state.
 
-    It follows ``torch.distributed.checkpoint.stateful.Stateful`` so that a later
-    ``--checkpoint-dir`` / ``--resume`` can save and load it with torch.distributed.checkpoint
-    together with the model and optimizer; the training loop starts at ``step``.
+    It follows ``torch.distributed.checkpoint.stateful.Stateful``, so ``--checkpoint-dir``
+    / ``--resume`` save and load it with torch.distributed.checkpoint together with the
+    model and optimizer; the training loop starts at ``step``. The data needs no state:
+    a batch is a function of the step.
     """
 
     step: int = 0
@@ -272,6 +311,40 @@ class TrainState:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+
+
+def checkpoint_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+) -> dict[str, Any]:
+    """What a checkpoint holds: sharded model and optimizer state (any world size can
+    load it) and the progress."""
+    from fsdp2 import ModelOptimizerState
+
+    return {"app": ModelOptimizerState(model, optimizer), "train": state}
+
+
+def save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, args: argparse.Namespace
+) -> str:
+    """Save atomically (a new directory, then the ``latest`` pointer); collective."""
+    from fsdp2 import save_checkpoint
+
+    return save_checkpoint(
+        checkpoint_state(model, optimizer, state),
+        args.checkpoint_dir,
+        step=state.step,
+        keep=args.checkpoint_keep,
+    )
+
+
+def resume(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, args: argparse.Namespace
+) -> int | None:
+    """Load the latest checkpoint into model, optimizer and state in place; its step, or
+    None when the directory has none yet (a first run started with --resume)."""
+    from fsdp2 import load_checkpoint
+
+    return load_checkpoint(checkpoint_state(model, optimizer, state), args.checkpoint_dir)
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
@@ -351,8 +424,13 @@ def train(
             postfix["gnorm"] = f"{grad_norm:.3f}"
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
-        # Checkpointing hook: a later --checkpoint-dir saves {model, optimizer, state}
-        # here every N steps with torch.distributed.checkpoint.
+        if args.checkpoint_dir is not None and (
+            state.step == args.steps
+            or (args.checkpoint_every and state.step % args.checkpoint_every == 0)
+        ):
+            path = save(model, optimizer, state, args)
+            if rank == 0:
+                bar.write(f"saved checkpoint at step {state.step} to {path}")
     bar.close()
     mean_tps = timed_tokens / timed_seconds if timed_seconds > 0 else math.nan
     return TrainResult(final_loss=loss, mean_tokens_per_s=mean_tps)
@@ -384,9 +462,17 @@ def main(argv: list[str] | None = None) -> None:
         args.vocab, args.seq_len, args.batch_size, rank, world, args.seed, device
     )
     state = TrainState()
-    # Resume hook: a later --resume loads {model, optimizer, state} here from
-    # --checkpoint-dir with torch.distributed.checkpoint; training then continues from
-    # state.step on the same data, since the data is a function of the step.
+    if args.resume:
+        # Training continues from state.step on the same data: a batch is a function of
+        # the step. The checkpoint may come from another world size.
+        loaded = resume(model, optimizer, state, args)
+        if rank == 0:
+            print(
+                f"resumed from step {loaded} ({args.checkpoint_dir})"
+                if loaded is not None
+                else f"no checkpoint in {args.checkpoint_dir}; starting from step 0",
+                flush=True,
+            )
 
     if rank == 0:
         print(

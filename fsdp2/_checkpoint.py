@@ -71,6 +71,12 @@ def _reshard_all(module: nn.Module) -> None:
             m.reshard()  # type: ignore[operator]
 
 
+def _check_module(module: Any, caller: str) -> None:
+    """Every rank passes the same kind of argument: raising here cannot strand a rank."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{caller}(module=...) expects an nn.Module, got {type(module).__name__}.")
+
+
 def _first_mesh(tensors: Iterable[Any]) -> DeviceMesh | None:
     for t in tensors:
         if isinstance(t, DTensor):
@@ -217,6 +223,7 @@ def init_sharded_(
     ``reset_parameters`` sets them. Recompute them yourself (e.g. rotary tables).
     Parameters that are not ``DTensor``s (``ignored_params``) are initialized in place.
     """
+    _check_module(module, "init_sharded_")
     _reshard_all(module)
     _materialize(module, device)
     params = list(module.parameters())
@@ -316,7 +323,9 @@ def _check_full_state_dict(
         if key not in state_dict or not isinstance(target, torch.Tensor):
             continue
         value = state_dict[key]
-        if isinstance(value, DTensor):
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            problems.append(f"{key!r} is on the meta device (it has no values)")
+        elif isinstance(value, DTensor):
             problems.append(
                 f"{key!r} is a DTensor; load_full_state_dict expects full tensors (load a "
                 f"sharded state dict with model.load_state_dict on every rank)"
@@ -343,7 +352,9 @@ def load_full_state_dict(
     (so other ranks hold at most one full tensor), and each rank copies its dim-0 chunk
     into the sharded parameter's local tensor in place (fsdp2's flat shard buffer and any
     optimizer keep pointing at the same tensors). Buffers and unsharded parameters get the
-    whole value. Values are cast to the model's dtypes.
+    whole value. Values are cast to the model's dtypes. A model still on the meta device
+    is materialized first (``to_empty`` on the mesh's device); buffers missing from the
+    state dict (non-persistent ones) are then uninitialized: recompute them.
 
     Errors (missing or unexpected keys with ``strict``, shape mismatches, sharded values)
     are detected on rank 0 before anything is loaded and raised on every rank.
@@ -351,7 +362,9 @@ def load_full_state_dict(
     Returns:
         ``IncompatibleKeys(missing_keys, unexpected_keys)`` (empty lists with ``strict``).
     """
+    _check_module(module, "load_full_state_dict")
     _reshard_all(module)
+    _materialize(module, None)  # built on the meta device: the shards need storage first
     targets = module.state_dict(keep_vars=True)
     mesh = _first_mesh(targets.values())
     group, src = _mesh_comm(mesh)
@@ -404,6 +417,7 @@ def get_full_state_dict(
     tensor at a time too). Values are new tensors, not views of the model's; tied
     parameters map to one tensor under both keys, as in ``state_dict()``.
     """
+    _check_module(module, "get_full_state_dict")
     _reshard_all(module)
     targets = module.state_dict(keep_vars=True)
     mesh = _first_mesh(targets.values())
@@ -456,6 +470,10 @@ class ModelOptimizerState:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None = None,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"ModelOptimizerState(model=...) expects an nn.Module, got {type(model).__name__}."
+            )
         self.model = model
         if optimizer is None:
             self.optimizers: tuple[torch.optim.Optimizer, ...] = ()
@@ -463,6 +481,14 @@ class ModelOptimizerState:
             self.optimizers = (optimizer,)
         else:
             self.optimizers = tuple(optimizer)
+        bad = [
+            type(o).__name__ for o in self.optimizers if not isinstance(o, torch.optim.Optimizer)
+        ]
+        if bad:
+            raise TypeError(
+                f"ModelOptimizerState(optimizer=...) expects torch.optim.Optimizer(s), got "
+                f"{', '.join(bad)}."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -492,9 +518,9 @@ LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")
 
 
-def _step_dir(step: int) -> str:
+def _step_dir(step: int, caller: str = "save_checkpoint") -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"save_checkpoint(step=...) expects an int >= 0, got {step!r}.")
+        raise ValueError(f"{caller}(step=...) expects an int >= 0, got {step!r}.")
     return f"step_{step}"
 
 
@@ -568,6 +594,28 @@ def _find_checkpoint(directory: str, step: int | None) -> tuple[int, str] | None
     return s, os.path.join(directory, name)
 
 
+def _check_state(state: Any, caller: str) -> None:
+    """Same input on every rank, so raising here (before any collective) cannot hang."""
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"{caller}(state=...) expects a dict of state dicts and Stateful objects (e.g. "
+            f"{{'app': ModelOptimizerState(model, optimizer)}}), got {type(state).__name__}."
+        )
+
+
+@contextlib.contextmanager
+def _as_runtime_error(message: str) -> Iterator[None]:
+    """DCP reports failures (on every rank, with each failing rank's traceback) as
+    ``CheckpointException``, a ``BaseException`` that ``except Exception`` misses: re-raise
+    it as a ``RuntimeError`` so ordinary error handling (and retries) see it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        raise RuntimeError(f"{message}:\n{exc}") from exc
+
+
 def _prune(directory: str, keep: int, current: str) -> None:
     checkpoints = [name for _, name in _complete_checkpoints(directory)]
     for name in checkpoints[:-keep]:
@@ -611,7 +659,7 @@ def save_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
         raise ValueError(f"save_checkpoint(keep=...) expects an int >= 1 or None, got {keep!r}.")
     directory = os.fspath(directory)
     name = _step_dir(step)
@@ -641,8 +689,12 @@ def save_checkpoint(
         if keep is not None:
             _prune(directory, keep, name)
 
+    _check_state(state, "save_checkpoint")
     _on_rank0(prepare, process_group)
-    dcp.save(state, checkpoint_id=tmp, process_group=process_group)
+    with _as_runtime_error(
+        f"save_checkpoint: writing {tmp} failed; {LATEST!r} still names the previous checkpoint"
+    ):
+        dcp.save(state, checkpoint_id=tmp, process_group=process_group)
     _on_rank0(commit, process_group)
     return final
 
@@ -668,10 +720,14 @@ def load_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
+    _check_state(state, "load_checkpoint")
+    if step is not None:
+        _step_dir(step, "load_checkpoint")  # on every rank, before any collective
     directory = os.fspath(directory)
     found = _on_rank0(lambda: _find_checkpoint(directory, step), process_group)
     if found is None:
         return None
     loaded_step, path = found
-    dcp.load(state, checkpoint_id=path, process_group=process_group)
+    with _as_runtime_error(f"load_checkpoint: loading {path} failed"):
+        dcp.load(state, checkpoint_id=path, process_group=process_group)
     return loaded_step
