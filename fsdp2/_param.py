@@ -14,6 +14,15 @@ parameter ``i``. The sharded ``DTensor`` parameter's local tensor is a view into
 buffer, so optimizer steps and ``load_state_dict`` (both in place) update the all-gather
 input directly.
 
+A group whose parameters have different dtypes (and no ``param_dtype`` to unify them)
+keeps a ``uint8`` flat buffer instead: slots are byte ranges, ordered by decreasing
+itemsize so each starts at a multiple of its dtype's itemsize with no gap bytes, and each
+local tensor is a ``.view(dtype)`` of its byte range. The all-gather then moves bytes, once
+per group; see [Note: mixed-dtype groups] in ``_param_group``. ``shard_offset`` (the slot
+in the flat shard buffer) and ``gather_offset`` (the slot in an all-gather row) count in the
+buffer's elements (bytes for a ``uint8`` buffer); ``offset`` always counts elements of the
+reduce-scatter layout.
+
 [Note: storage resize and autograd]
 Every parameter's unsharded tensor is created once, as a view into the group's unsharded
 buffer, and reused every step. Resharding frees memory by resizing that buffer's storage to
@@ -40,6 +49,17 @@ from torch.distributed.tensor.placement_types import _StridedShard
 Use = tuple[nn.Module, str]
 
 
+def typed_slice(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` starting at ``start`` (counted in ``flat``'s elements).
+
+    A plain slice when the dtypes agree; otherwise ``flat`` is a byte buffer and the slice
+    is reinterpreted with ``.view(dtype)``, a view, so writes reach ``flat`` (``start`` must
+    be a multiple of the itemsize, which the group's layout guarantees)."""
+    if flat.dtype == dtype:
+        return flat[start : start + numel]
+    return flat[start : start + numel * dtype.itemsize // flat.element_size()].view(dtype)
+
+
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride = []
     running = 1
@@ -58,7 +78,10 @@ class ShardedParam:
     rows_per_rank: int  # ceil(shape[0] / world_size): the padded shard's dim 0
     row_numel: int  # elements per dim-0 row
     local_rows: int  # real rows on this rank, 0 <= local_rows <= rows_per_rank
-    offset: int  # start of this parameter's slot in the flat shard buffer
+    dtype: torch.dtype  # the sharded parameter's (original) dtype
+    offset: int  # start of the slot in the reduce-scatter layout (elements)
+    shard_offset: int  # start of the slot in the flat shard buffer (its elements)
+    gather_offset: int  # start of the slot in one all-gather row (that buffer's elements)
     sharded_param: nn.Parameter  # DTensor, Shard(d); local tensor views the flat buffer
     unsharded_param: nn.Parameter | None  # ND view into the group's unsharded buffer
 
@@ -90,6 +113,7 @@ class ShardedParam:
             self.shape = param.to_local().shape  # all layout below is TP-local
         else:
             self.shape = param.shape
+        self.dtype = param.dtype
         self.mesh = mesh
         # [Note: flat shard buffer] Shard(d) for d > 0 is stored as Shard(0) of
         # ``param.movedim(d, 0)``; the tensors users see are ``movedim(0, d)`` views.
@@ -112,7 +136,8 @@ class ShardedParam:
         first_row = min(rank * self.rows_per_rank, rows)
         self.local_rows = min(self.rows_per_rank, rows - first_row)
         self.first_row = first_row
-        self.offset = offset
+        # The group overrides the three offsets when it plans its layout.
+        self.offset = self.shard_offset = self.gather_offset = offset
         self.unsharded_param = None
 
     def _init_tensor_parallel(
@@ -171,11 +196,22 @@ class ShardedParam:
 
     # -- the sharded side ----------------------------------------------------------------
     def local_view(self, flat_shard: torch.Tensor) -> torch.Tensor:
-        """This rank's real shard as an ND view into ``flat_shard``."""
-        start = self.offset
-        rows = flat_shard[start : start + self.local_numel].view(
-            self.local_rows, *self.rows_shape[1:]
-        )
+        """This rank's real shard as an ND view (of ``self.dtype``) into ``flat_shard``."""
+        flat = typed_slice(flat_shard, self.shard_offset, self.local_numel, self.dtype)
+        return self._shaped(flat)
+
+    def shard_slot(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """The whole padded slot (real rows and padding) as a 1-D ``self.dtype`` view."""
+        return typed_slice(flat_shard, self.shard_offset, self.padded_numel, self.dtype)
+
+    def reduced_view(self, reduced: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """This rank's real rows of a reduce-scatter output (reduce layout, ``offset``),
+        where ``reduced`` starts at element ``base`` of that layout."""
+        start = self.offset - base
+        return self._shaped(reduced[start : start + self.local_numel])
+
+    def _shaped(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = flat.view(self.local_rows, *self.rows_shape[1:])
         return rows.movedim(0, self.shard_dim) if self.shard_dim else rows
 
     def as_rows(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -216,7 +252,7 @@ class ShardedParam:
         """Whether the local tensor is still our view (``.to()``/``assign=True`` replace it)."""
         local = self.local_tensor()
         if self.local_rows == 0:
-            return local.device == flat_shard.device and local.dtype == flat_shard.dtype
+            return local.device == flat_shard.device and local.dtype == self.dtype
         view = self.local_view(flat_shard)
         return (
             local.data_ptr() == view.data_ptr()
@@ -247,15 +283,18 @@ class ShardedParam:
             module._parameters[name] = param
 
     # -- the unsharded side --------------------------------------------------------------
-    def init_unsharded_param(self, unsharded_flat: torch.Tensor) -> torch.Tensor:
-        """Create the persistent unsharded parameter as a view into the group's unsharded
-        buffer; return the copy-out target, a ``(world_size, padded_numel)`` view of the
-        same slot through the write alias (see [Note: storage resize and autograd])."""
-        start = self.world_size * self.offset
-        stop = start + self.world_size * self.padded_numel
-        padded = unsharded_flat[start:stop].view(
-            self.world_size * self.rows_per_rank, *self.rows_shape[1:]
-        )
+    def init_unsharded_param(
+        self, unsharded_flat: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Create the persistent unsharded parameter (of ``dtype``) as a view into the
+        group's unsharded buffer; return the copy-out target, a ``(world_size, slot)`` view
+        of the same slot in the buffer's own dtype (bytes for a byte buffer), through the
+        write alias (see [Note: storage resize and autograd])."""
+        ws = self.world_size
+        start = ws * self.gather_offset
+        slot = typed_slice(unsharded_flat, start, ws * self.padded_numel, dtype)
+        stop = start + slot.numel() * dtype.itemsize // unsharded_flat.element_size()
+        padded = slot.view(ws * self.rows_per_rank, *self.rows_shape[1:])
         unsharded = padded[: self.rows_shape[0]]
         if self.shard_dim:
             unsharded = unsharded.movedim(0, self.shard_dim)
@@ -272,7 +311,7 @@ class ShardedParam:
         self.unsharded_param = nn.Parameter(
             unsharded, requires_grad=self.sharded_param.requires_grad
         )
-        return unsharded_flat.data[start:stop].view(self.world_size, self.padded_numel)
+        return unsharded_flat.data[start:stop].view(ws, (stop - start) // ws)
 
     def sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         """Wrap a reduced local gradient shard as a DTensor shaped like the parameter."""

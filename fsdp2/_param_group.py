@@ -4,6 +4,7 @@ A group owns three buffers (see [Note: flat shard buffer] and [Note: storage res
 autograd] in ``_param``):
 
 - ``flat_shard``: 1-D, ``S`` elements, every local padded shard; the all-gather input.
+  ``uint8`` (``S`` bytes) when the parameters' dtypes differ: see [Note: mixed-dtype groups].
 - ``unsharded_flat``: 1-D, ``world_size * S`` elements, the unsharded parameters,
   param-major; storage freed (resized to 0) while sharded.
 - a transient all-gather output (rank-major) that one fused ``split_with_sizes_copy``
@@ -14,11 +15,50 @@ Per-step work here is per group: one collective per direction, one fused copy-ou
 fused reduce-scatter copy-in (``torch.cat`` into the reduce-scatter input). The loops over
 parameters that remain touch only Python attributes (registering tensors on modules,
 reading ``.grad``), never launch a kernel per parameter.
+
+[Note: mixed-dtype groups]
+torch's FSDP2 requires one original dtype per group; we accept any mix (e.g. an fp32
+norm or router inside a bf16 block) and keep one collective per direction:
+
+- Shards: the flat shard buffer is ``uint8``; parameter slots are byte ranges ordered by
+  decreasing itemsize (stable), so every slot starts at a multiple of its dtype's itemsize
+  with no gap bytes, and each local tensor is a ``.view(dtype)`` of its range.
+- All-gather without ``param_dtype``: the byte buffer itself is the input (still no
+  copy-in), the output and the unsharded buffer are bytes too, and copy-out is the same one
+  ``split_with_sizes_copy``, on bytes; unsharded parameters are typed views. With
+  ``param_dtype`` every parameter is gathered in that dtype: one ``torch.cat`` of the typed
+  slots (inputs of several dtypes, one output dtype) is the single fused cast, and the rest
+  is the one-dtype path.
+- Reduce-scatter: ``reduce_dtype`` (else ``param_dtype``) when set; otherwise the
+  promotion of the trainable parameters' dtypes (fp32 for bf16 + fp32), in one collective:
+  a per-dtype reduce-scatter would cost one collective per dtype per group (latency, and
+  the one-collective-per-group schedule), while reducing the narrower gradients in the wider
+  dtype only makes their sum more accurate; its price is the wider bytes for those
+  gradients. The copy-in ``torch.cat`` casts as it copies. Trainable parameters come first
+  and are ordered by dtype within that, so the reduced output is converted back with one
+  cast per run of equal dtypes (at most one per dtype and trainable/frozen class), not one
+  per parameter.
+
+[Note: gradients some ranks lack]
+Ranks may use different parameters of one group in a step (mixture-of-experts routing,
+optional branches), so a rank can reach a group's reduce-scatter without some gradients.
+Two things must then not depend on local gradients: the collective's size (else ranks
+disagree and hang), and whether a rank stores its shard of the reduced gradient (else the
+update that other ranks' gradients make to this rank's rows is lost). So the reduced
+prefix is fixed by ``requires_grad`` (every parameter up to the last trainable one), a
+missing gradient contributes zeros, and each rank's chunk of the reduce-scatter input ends
+with one flag per parameter (1 if this rank had its gradient). After the sum, a rank stores
+a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
+non-sharded training. The flags cost ``world_size`` elements per parameter per step, and
+are read (a host sync on accelerators) only by a rank that lacked some gradient itself.
+A group with no gradient on any rank still reduces (zeros): the schedule of collectives
+must not depend on data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from enum import Enum, auto
 from typing import Any, NamedTuple
 
@@ -119,25 +159,17 @@ class ParamGroup:
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
         self._partial_reduce: torch.Tensor | None = None
-        dtypes = {p.dtype for p in full_params}
-        if len(dtypes) > 1:
-            names = ", ".join(f"{sp.fqn}: {p.dtype}" for sp, p in zip(params, full_params))
-            raise NotImplementedError(
-                f"fully_shard on {label}: parameters of one group must share a dtype for now "
-                f"(got {names}). Apply fully_shard to submodules so each group has one dtype, "
-                f"or cast the module to one dtype before sharding."
-            )
         self.mp_policy = mp_policy
-        self._set_dtypes(full_params[0].dtype)
+        pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
+        self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
         on_meta = any(p.device.type == "meta" for p in full_params)
         self.device = torch.device("meta") if on_meta else device  # where compute runs
         # CPU offload: shards (the all-gather source) and gradients live in CPU memory.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.pin_memory = self.offload and offload_policy.pin_memory  # type: ignore[attr-defined]
         self.shard_device = torch.device("cpu") if self.offload and not on_meta else self.device
-        self.numel = sum(p.padded_numel for p in params)  # S
-        self.flat_shard = self._new_flat_shard(self.shard_dtype, self.shard_device)
-        for sp, full in zip(params, full_params):
+        self.flat_shard = self._new_flat_shard(self.shard_device)
+        for sp, full in pairs:
             source = full.to_local() if isinstance(full, DTensor) else full  # TP: local part
             sp.init_sharded_param(
                 source.detach().to(self.shard_device), self.flat_shard, full.requires_grad
@@ -147,7 +179,6 @@ class ParamGroup:
         self.comm: CommContext | None = None
         self.unsharded_flat: torch.Tensor | None = None
         self._copy_out_targets: list[torch.Tensor] = []
-        self._split_sizes = [p.padded_numel for p in params]
         # One parameter: rank-major and param-major layouts coincide, gather in place.
         self._gather_in_place = len(params) == 1
         self._all_gather: AllGatherInFlight | None = None
@@ -166,15 +197,60 @@ class ParamGroup:
         self.all_reduce_hook_stream: Stream = None
 
     # -- set-up ----------------------------------------------------------------------------
-    def _set_dtypes(self, shard_dtype: torch.dtype) -> None:
-        """Sharded parameters keep ``shard_dtype`` (the optimizer's master copy); compute
-        and the all-gather use ``param_dtype``; gradients are reduced in ``reduce_dtype``."""
-        self.shard_dtype = shard_dtype
-        self.param_dtype = self.mp_policy.param_dtype or shard_dtype
-        self.reduce_dtype = self.mp_policy.reduce_dtype or self.param_dtype
+    def _plan_layout(self, dtypes: list[torch.dtype], trainable: list[bool]) -> None:
+        """Place every parameter (``dtypes``/``trainable`` follow ``self.params``) in the
+        flat buffers and pick their dtypes. Sharded parameters keep their own dtype (the
+        optimizer's master copy); compute and the all-gather use ``param_dtype``; gradients
+        are reduced in ``reduce_dtype``. With several dtypes, see [Note: mixed-dtype groups].
+        """
+        self.mixed = len(set(dtypes)) > 1
+        for p, dtype in zip(self.params, dtypes):
+            p.dtype = dtype
+        if self.mixed:
+            # Reduce layout: trainable first (the reduced prefix), equal dtypes adjacent.
+            rank = {
+                id(p): (not t, -d.itemsize, str(d))
+                for p, d, t in zip(self.params, dtypes, trainable)
+            }
+            self.params.sort(key=lambda p: rank[id(p)])
+        offset = 0
+        for p in self.params:
+            p.offset = p.shard_offset = p.gather_offset = offset
+            offset += p.padded_numel
+        self._reduce_sizes = [p.padded_numel for p in self.params]
+        # Shard layout: one dtype, or bytes by decreasing itemsize (aligned, no gaps).
+        if self.mixed:
+            self.shard_dtype = torch.uint8
+            by_itemsize = sorted(self.params, key=lambda p: (-p.dtype.itemsize, str(p.dtype)))
+            offset = 0
+            for p in by_itemsize:
+                p.shard_offset = p.gather_offset = offset
+                offset += p.padded_numel * p.dtype.itemsize
+            self.shard_numel = offset
+        else:
+            self.shard_dtype = dtypes[0]
+            self.shard_numel = sum(self._reduce_sizes)
+        # All-gather layout: typed (param_dtype, or the one dtype) in reduce order, or the
+        # shard bytes themselves. ``param_dtype`` is None only for the byte case.
+        policy_dtype = self.mp_policy.param_dtype
+        if policy_dtype is not None or not self.mixed:
+            self.param_dtype: torch.dtype | None = policy_dtype or dtypes[0]
+            self.gather_dtype = self.param_dtype
+            self._gather_params = list(self.params)
+            self._gather_sizes = list(self._reduce_sizes)
+            for p in self.params:
+                p.gather_offset = p.offset
+        else:
+            self.param_dtype = None
+            self.gather_dtype = torch.uint8
+            self._gather_params = by_itemsize
+            self._gather_sizes = [p.padded_numel * p.dtype.itemsize for p in by_itemsize]
+        self.gather_numel = sum(self._gather_sizes)
+        # None: the promotion of each step's gradient dtypes (mixed groups only).
+        self.reduce_dtype: torch.dtype | None = self.mp_policy.reduce_dtype or self.param_dtype
 
-    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        flat = torch.zeros(self.numel, dtype=dtype, device=device)
+    def _new_flat_shard(self, device: torch.device) -> torch.Tensor:
+        flat = torch.zeros(self.shard_numel, dtype=self.shard_dtype, device=device)
         if self.pin_memory and device.type == "cpu" and torch.cuda.is_available():
             flat = flat.pin_memory()  # lets host-to-device copies run asynchronously
         return flat
@@ -200,10 +276,13 @@ class ParamGroup:
         self._post_forward_index = index
 
     def _init_unsharded(self) -> None:
-        n = self.world_size * self.numel
-        self.unsharded_flat = torch.empty(n, dtype=self.param_dtype, device=self.device)
+        n = self.world_size * self.gather_numel
+        self.unsharded_flat = torch.empty(n, dtype=self.gather_dtype, device=self.device)
         # Views are made while the storage is allocated, then the storage is freed.
-        self._copy_out_targets = [p.init_unsharded_param(self.unsharded_flat) for p in self.params]
+        self._copy_out_targets = [
+            p.init_unsharded_param(self.unsharded_flat, self.param_dtype or p.dtype)
+            for p in self._gather_params
+        ]
         self._unsharded_write = self.unsharded_flat.data
         if self.post_forward_size:
             # Each parameter's slot split into post_forward_size equal chunks.
@@ -216,12 +295,14 @@ class ParamGroup:
         ``to_empty()`` or ``load_state_dict(assign=True)``), keeping their values."""
         if all(p.points_into(self.flat_shard) for p in self.params):
             return
-        first = self.params[0].local_tensor()
-        self._set_dtypes(first.dtype)
+        local = [p.local_tensor() for p in self.params]
+        # ``module.to(dtype)`` may have changed dtypes (e.g. made a mixed group uniform).
+        self._plan_layout([t.dtype for t in local], [p.requires_grad for p in self.params])
+        first = local[0]
         if not self.offload or first.device.type != "cpu":
             self.device = first.device
         self.shard_device = first.device
-        flat = self._new_flat_shard(first.dtype, first.device)
+        flat = self._new_flat_shard(first.device)
         for p in self.params:
             p.repoint(flat)
         self.flat_shard = flat
@@ -252,19 +333,29 @@ class ParamGroup:
                 ag_input, group = self._post_forward_shard, self.post_forward_group
                 self._post_forward_shard = None
             else:
-                # One fused cast (mixed precision) / host-to-device copy (offload) per
-                # group; otherwise the flat shard itself is the input.
-                ag_input = self.flat_shard.to(self.device, self.param_dtype, non_blocking=True)
+                ag_input = self._all_gather_input()
                 group = self.process_group
             if self._gather_in_place:
                 self._alloc_unsharded()
                 output = self._unsharded_write
             else:
                 output = torch.empty(
-                    self.world_size * self.numel, dtype=self.param_dtype, device=self.device
+                    self.world_size * self.gather_numel,
+                    dtype=self.gather_dtype,
+                    device=self.device,
                 )
             pending = all_gather_flat(output, ag_input, group, stream)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward)
+
+    def _all_gather_input(self) -> torch.Tensor:
+        """The flat shard itself (one dtype, or bytes), or one fused cast (mixed
+        precision) / host-to-device copy (offload) of it."""
+        if not self.mixed or self.gather_dtype == torch.uint8:
+            return self.flat_shard.to(self.device, self.gather_dtype, non_blocking=True)
+        # Mixed dtypes gathered in param_dtype: one cat casts every typed slot at once.
+        source = self.flat_shard.to(self.device, non_blocking=True)
+        ag_input = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=self.device)
+        return torch.cat([p.shard_slot(source) for p in self.params], out=ag_input)
 
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
@@ -282,7 +373,7 @@ class ParamGroup:
                 ranks, targets = self.post_forward_size, self._post_forward_targets
                 sizes = [t.shape[1] for t in targets]
             else:
-                ranks, targets, sizes = self.world_size, self._copy_out_targets, self._split_sizes
+                ranks, targets, sizes = self.world_size, self._copy_out_targets, self._gather_sizes
             torch.split_with_sizes_copy(in_flight.output.view(ranks, -1), sizes, dim=1, out=targets)
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
             comm.release_all_gather_memory()
@@ -338,44 +429,54 @@ class ParamGroup:
         """Reduce-scatter the unsharded gradients (one fused copy-in, one collective) and
         drop them. The result is assigned to the sharded parameters by ``finish_reduce``,
         when the collective is waited on: later, so it overlaps the rest of backward."""
-        grads = [p.unsharded_param.grad for p in self.params]
-        has_grad = [g is not None for g in grads]
-        if not any(has_grad):
+        # Which parameters a rank used can differ between ranks (data-dependent routing),
+        # so nothing here may depend on the local gradients: the reduced prefix is every
+        # parameter up to the last trainable one (frozen parameters sit at the end), and
+        # a parameter without a local gradient contributes zeros. See
+        # [Note: gradients some ranks lack].
+        trainable = [p.sharded_param.requires_grad for p in self.params]
+        if not any(trainable):
             return
-        # Reduce the prefix up to the last parameter with a gradient; frozen parameters
-        # sit at the end of the layout, so they normally fall outside it.
-        count = len(grads) - has_grad[::-1].index(True)
+        count = len(trainable) - trainable[::-1].index(True)
+        grads = [p.unsharded_param.grad for p in self.params[:count]]
         ws = self.world_size
+        reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params[:count])
         pieces: list[torch.Tensor] = []
-        for p, grad in zip(self.params[:count], grads[:count]):
+        for p, grad in zip(self.params[:count], grads):
             p.unsharded_param.grad = None
             if grad is None:
-                pieces.append(grad_zeros(p.padded_numel, ws, self.param_dtype, self.device))
+                dtype = p.unsharded_param.dtype
+                pieces.append(grad_zeros(p.padded_numel, ws, dtype, self.device))
             elif p.is_even:
                 pieces.append(p.as_rows(grad).reshape(ws, p.padded_numel))
             else:
                 padding = (ws * p.rows_per_rank - p.rows_shape[0]) * p.row_numel
                 rows = p.as_rows(grad).reshape(-1)
                 pieces.append(F.pad(rows, (0, padding)).view(ws, p.padded_numel))
-        numel = sum(self._split_sizes[:count])
+        # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
+        # the sum each rank knows how many ranks had each gradient, for free.
+        flags = torch.tensor(
+            [float(g is not None) for g in grads], dtype=reduce_dtype, device=self.device
+        )
+        pieces.append(flags.expand(ws, count))
+        numel = sum(self._reduce_sizes[:count]) + count
         comm = self._require_comm()
         compute = comm.streams.compute()
-        if count == 1 and pieces[0].dtype == self.reduce_dtype and pieces[0].is_contiguous():
-            rs_input = pieces[0].view(-1)  # one parameter: its gradient is the input
-        else:
-            # One kernel: copy, pad and cast (to reduce_dtype) every gradient at once.
-            rs_input = torch.empty(ws * numel, dtype=self.reduce_dtype, device=self.device)
-            torch.cat(pieces, dim=1, out=rs_input.view(ws, numel))
-        if self.predivide_factor() != 1.0:
-            rs_input = rs_input.div(self.predivide_factor())
+        # One kernel: copy, pad and cast (to reduce_dtype) every gradient at once.
+        rs_input = torch.empty(ws * numel, dtype=reduce_dtype, device=self.device)
+        torch.cat(pieces, dim=1, out=rs_input.view(ws, numel))
+        predivide = self.predivide_factor(reduce_dtype)
+        if predivide != 1.0:
+            rs_input = rs_input.div(predivide)
         stream = comm.streams.reduce_scatter
         wait_stream(stream, compute)  # the gradients were produced on the compute stream
         with use_stream(stream):
-            rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
+            rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
         # Bound memory: finish older reductions so at most ``max_reduces_in_flight`` remain.
         comm.finish_reduces(keep=max(comm.max_reduces_in_flight - 1, 0))
-        comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad[:count]))
+        has_grad = [g is not None for g in grads]
+        comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad))
 
     def finish_reduce(self, in_flight: ReduceInFlight) -> None:
         """Wait for a reduce-scatter, scale it, and store the gradient shards as DTensors
@@ -383,16 +484,24 @@ class ParamGroup:
         comm = self._require_comm()
         wait(in_flight.pending, comm.streams.compute())
         output = in_flight.output
+        predivide = self.predivide_factor(output.dtype)
         if self.replicate_group is not None:
             reduced = self._all_reduce_replicas(output)
             if reduced is None:
                 return  # accumulated locally until the next step that all-reduces
             output = reduced
-        factor = self.divide_factor() / self.predivide_factor()
+        # The flags: how many ranks (and replicas) had each gradient. Zero means no rank
+        # used the parameter: its gradient stays None, as in non-sharded training.
+        count = len(in_flight.has_grad)
+        flags, output = output[output.numel() - count :], output[: output.numel() - count]
+        # A local gradient proves some rank had one; only a rank missing some gradient
+        # reads the flags (a host sync on accelerators, so not on the common path).
+        got_grad = in_flight.has_grad if all(in_flight.has_grad) else (flags != 0).tolist()
+        factor = self.divide_factor() / predivide
         # The all-reduce hook sees what torch's hook sees: the average when the division
         # counts as part of the collective (AVG for fp32/bf16), the undivided sum when
         # division is a separate step (force-sum, or fp16's split pre/post division).
-        divide_first = not self.force_sum_reduction and self.predivide_factor() == 1.0
+        divide_first = not self.force_sum_reduction and predivide == 1.0
         if factor != 1.0 and divide_first:
             output.div_(factor)
         if self.all_reduce_hook is not None:
@@ -403,12 +512,10 @@ class ParamGroup:
             wait_stream(comm.streams.compute(), hook_stream)
         if factor != 1.0 and not divide_first:
             output.div_(factor)
-        # Gradients are stored like the sharded parameters: their dtype, their device.
-        output = output.to(self.shard_device, self.shard_dtype)
-        for p, got_grad in zip(self.params, in_flight.has_grad):
-            if not got_grad:
+        shards = self._gradient_shards(output, count)
+        for p, used, local in zip(self.params, got_grad, shards):
+            if not used:
                 continue
-            local = p.local_view(output)
             param = p.sharded_param
             existing = param.grad
             if existing is None:
@@ -422,6 +529,28 @@ class ParamGroup:
             if hooks:
                 for hook in tuple(hooks.values()):
                     hook(param)
+
+    def _gradient_shards(self, output: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """The first ``count`` parameters' local gradients from the reduced ``output``,
+        stored like the sharded parameters: their dtype, their device. One cast for a
+        one-dtype group; one per run of equal dtypes in a mixed one."""
+        params = self.params[:count]
+        if not self.mixed:
+            output = output.to(self.shard_device, self.shard_dtype)
+            return [p.reduced_view(output) for p in params]
+        shards: list[torch.Tensor] = []
+        start = 0
+        while start < count:
+            dtype = params[start].dtype
+            stop = start + 1
+            while stop < count and params[stop].dtype == dtype:
+                stop += 1
+            first, last = params[start], params[stop - 1]
+            run = output[first.offset : last.offset + last.padded_numel]
+            run = run.to(self.shard_device, dtype)
+            shards += [p.reduced_view(run, first.offset) for p in params[start:stop]]
+            start = stop
+        return shards
 
     def _all_reduce_replicas(self, output: torch.Tensor) -> torch.Tensor | None:
         """HSDP: sum the reduce-scattered shard over replicas (or keep it for later when
@@ -443,11 +572,11 @@ class ParamGroup:
         wait(pending, comm.streams.compute())
         return output
 
-    def predivide_factor(self) -> float:
+    def predivide_factor(self, reduce_dtype: torch.dtype | None = None) -> float:
         """Low-precision sums can overflow and per-rank quotients underflow: divide by a
         power of two near the square root of the factor before reducing and by the rest
         after (the split torch uses, so results agree bitwise)."""
-        if self.reduce_dtype in (torch.float32, torch.bfloat16, torch.float64):
+        if (reduce_dtype or self.reduce_dtype) in (torch.float32, torch.bfloat16, torch.float64):
             return 1.0
         factor = self.divide_factor()
         pre = 1
@@ -466,6 +595,11 @@ class ParamGroup:
         if self.comm is None:
             raise AssertionError(f"{self.label}: used before lazy initialization")
         return self.comm
+
+
+def promote_dtypes(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype every given dtype converts to without loss (fp32 for bf16 and fp32)."""
+    return functools.reduce(torch.promote_types, dtypes)
 
 
 def grad_zeros(

@@ -181,6 +181,12 @@ class Call:
     in_bytes: int
     out_bytes: int
     op: str = ""
+    flags: int = 0  # fsdp2's per-parameter "had a gradient" flags at the end of an RS chunk
+
+
+# fsdp2 appends one flag per parameter to each rank's reduce-scatter chunk; groups in these
+# tests have far fewer parameters than this, and sizes far further apart.
+MAX_FLAGS = 64
 
 
 @dataclass
@@ -218,6 +224,11 @@ class CollectiveLog:
             out, inp = values[0], values[1]  # (output, input) for all four functions
             # The group is named by the all-gather input / reduce-scatter output size.
             key = inp.numel() if kind == "AG" else out.numel()
+            flags = 0
+            if kind == "RS" and key not in self.numel_to_group:
+                base = max((n for n in self.numel_to_group if 0 < key - n <= MAX_FLAGS), default=0)
+                flags = key - base if base else 0
+                key = base or key
             group = self.numel_to_group.get(key, "?")
             op = bound.arguments.get("op")
             self.calls.append(
@@ -232,6 +243,7 @@ class CollectiveLog:
                     inp.numel() * inp.element_size(),
                     out.numel() * out.element_size(),
                     "" if op is None else str(op),
+                    flags,
                 )
             )
             _mark(f"{kind}:{group}")

@@ -130,6 +130,7 @@ def _train(
         "placements": placements,
         "volume": dict(volume),
         "numel": sum(p.numel() for p in model.parameters()),
+        "n_params": len(list(model.parameters())),
         "root_numel": root_numel,
     }
 
@@ -271,9 +272,10 @@ def test_shard_placement_uneven_dim_is_rejected() -> None:
 )
 def test_communication_volume_matches_docs(mesh_shape: tuple[int, ...], reshard) -> None:
     """The per-step volumes docs/meshes.md gives, in elements of the full-size buffers
-    (P: parameters; P_root: the root group's, never resharded with None)."""
+    (P: parameters; P_root: the root group's, never resharded with None; N: number of
+    parameters, each with one "had a gradient" flag per rank chunk)."""
     rep = run_ranks(_train, 4, "fsdp2", mesh_shape, reshard, 1, False)[0]
-    P, P_root, vol = rep["numel"], rep["root_numel"], rep["volume"]
+    P, P_root, vol, N = rep["numel"], rep["root_numel"], rep["volume"], rep["n_params"]
     W = mesh_shape[-1]
     resharded = {None: P - P_root, False: 0, 2: P}[reshard]
     if reshard == 2:
@@ -281,9 +283,9 @@ def test_communication_volume_matches_docs(mesh_shape: tuple[int, ...], reshard)
         assert vol[("all_gather", 2)] == P  # backward, within pairs
     else:
         assert vol[("all_gather", W)] == P + resharded
-    assert vol[("reduce_scatter", W)] == P
+    assert vol[("reduce_scatter", W)] == P + W * N
     if len(mesh_shape) == 2:
-        assert vol[("all_reduce", 2)] == P // W  # each rank all-reduces its shard
+        assert vol[("all_reduce", 2)] == P // W + N  # each rank all-reduces its shard
 
 
 def _tp_plan() -> dict:

@@ -11,19 +11,28 @@ reduce dtype, output and input casts.
 * dtypes and sizes: sharded parameters and their gradients stay fp32; the parameters a
   forward sees are bf16; every all-gather sends and receives bf16 (``numel * 2`` bytes);
   the reduce-scatter runs in ``reduce_dtype`` (fp32), or in bf16 when ``reduce_dtype`` is
-  None; ``output_dtype`` casts floating outputs; ``cast_forward_inputs`` casts floating
-  inputs (not integer ones) to ``param_dtype``.
+  None, on ``itemsize * numel`` bytes; one collective per group per pass;
+  ``output_dtype`` casts floating outputs; ``cast_forward_inputs`` casts floating inputs
+  (not integer ones) to ``param_dtype``.
+* fp16: the pre/post division of the reduction agrees with torch bitwise at 4 ranks.
+* mixed-dtype groups (fsdp2 only; torch's FSDP2 rejects them): parity with a same-casts
+  reference, one uint8 all-gather per group with its exact byte count, state dicts,
+  ``to()``/``to_empty()``; see the section at the end of the file.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import math
+import pathlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _control_helpers import (
+    HIDDENS,
     CollectiveLog,
     adamw,
     api,
@@ -35,9 +44,11 @@ from _control_helpers import (
     rank_slice,
     shard_net,
 )
-from _helpers import IMPLS, full, is_dtensor, require_impl
+from _helpers import IMPLS, deterministic_init, full, is_dtensor, make_mesh, require_impl
 from _launcher import run_ranks
+from test_grad_accumulation import exec_doc_example, first_python_block
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 BF16, FP32 = torch.bfloat16, torch.float32
 STEPS = 3
@@ -56,11 +67,13 @@ def policy(impl: str, **kwargs):
     return api(impl, "MixedPrecisionPolicy")(**kwargs)
 
 
-def policies(impl: str, reduce_dtype, output_dtype) -> dict:
-    """``shard_net`` keyword arguments: bf16 everywhere; ``output_dtype`` on the root only
-    (a block's fp32 output would not fit the root's own bf16 layers that consume it)."""
-    mp = policy(impl, param_dtype=BF16, reduce_dtype=reduce_dtype)
-    root = policy(impl, param_dtype=BF16, reduce_dtype=reduce_dtype, output_dtype=output_dtype)
+def policies(impl: str, reduce_dtype, output_dtype, param_dtype=BF16) -> dict:
+    """``shard_net`` keyword arguments: ``param_dtype`` everywhere; ``output_dtype`` on the
+    root only (a block's fp32 output would not fit the root's own low-precision layers)."""
+    mp = policy(impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    root = policy(
+        impl, param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=output_dtype
+    )
     return {"mp_policy": mp, "root_kwargs": {"mp_policy": root}}
 
 
@@ -72,12 +85,16 @@ def mse32(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 # ------------------------------------------------------------------ fsdp2 vs torch
 
 
-def cross_impl(reduce_dtype: torch.dtype | None, output_dtype: torch.dtype | None) -> dict:
+def cross_impl(
+    reduce_dtype: torch.dtype | None, output_dtype: torch.dtype | None, param_dtype=BF16
+) -> dict:
     """Rank function: the same model under fsdp2 and torch with the same policy."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     base = build_net()
     models = {
-        impl: shard_net(clone_model(base), impl, **policies(impl, reduce_dtype, output_dtype))
+        impl: shard_net(
+            clone_model(base), impl, **policies(impl, reduce_dtype, output_dtype, param_dtype)
+        )
         for impl in IMPLS
     }
     opts = {impl: adamw(m) for impl, m in models.items()}
@@ -104,14 +121,22 @@ def cross_impl(reduce_dtype: torch.dtype | None, output_dtype: torch.dtype | Non
 
 
 @pytest.mark.parametrize(
-    ("reduce_dtype", "output_dtype"),
-    [(FP32, None), (None, None), (FP32, FP32)],
-    ids=["reduce_fp32", "reduce_bf16", "output_fp32"],
+    ("param_dtype", "reduce_dtype", "output_dtype", "world_size"),
+    [
+        (BF16, FP32, None, 2),
+        (BF16, None, None, 2),
+        (BF16, FP32, FP32, 2),
+        # fp16 reduces divide by 2 before and 2 after the sum at 4 ranks (overflow and
+        # underflow guards); equal bits mean the same split as torch.
+        (torch.float16, None, None, 4),
+    ],
+    ids=["reduce_fp32", "reduce_bf16", "output_fp32", "fp16_pre_post_divide"],
 )
-def test_bitwise_equal_to_torch(reduce_dtype, output_dtype) -> None:
+def test_bitwise_equal_to_torch(param_dtype, reduce_dtype, output_dtype, world_size) -> None:
     for impl in IMPLS:
         require_impl(impl)
-    for rank, report in enumerate(run_ranks(cross_impl, 2, reduce_dtype, output_dtype)):
+    args = (reduce_dtype, output_dtype, param_dtype)
+    for rank, report in enumerate(run_ranks(cross_impl, world_size, *args)):
         assert not report["mismatches"], f"rank {rank}: not bitwise equal: {report['mismatches']}"
 
 
@@ -145,7 +170,9 @@ def vs_reference(impl: str) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
     ref = build_net()
     ref32 = build_net()
-    model = shard_net(clone_model(ref), impl, mp_policy=policy(impl, param_dtype=BF16, reduce_dtype=FP32))
+    model = shard_net(
+        clone_model(ref), impl, mp_policy=policy(impl, param_dtype=BF16, reduce_dtype=FP32)
+    )
     ref_opt, ref32_opt, opt = adamw(ref), adamw(ref32), adamw(model)
     steps = []
     for step in range(STEPS):
@@ -227,7 +254,22 @@ def dtypes_and_sizes(impl: str, reduce_dtype: torch.dtype | None, output_dtype) 
             if c.kind == "AG"
         }
     )
-    report["rs"] = sorted({(str(c.in_dtype), str(c.out_dtype)) for c in log.calls if c.kind == "RS"})
+    report["rs"] = sorted(
+        {
+            (
+                str(c.in_dtype),
+                str(c.out_dtype),
+                c.out_bytes == c.out_dtype.itemsize * (group_numel[c.group] + c.flags),
+                c.in_bytes == ws * c.out_bytes,
+            )
+            for c in log.calls
+            if c.kind == "RS"
+        }
+    )
+    report["counts"] = {
+        kind: sorted({(g, log.count(kind, group=g)) for g in numels.values()})
+        for kind in ("AG", "RS")
+    }
     report["unknown_groups"] = [c for c in log.calls if c.group == "?"]
     return report
 
@@ -245,11 +287,17 @@ def test_dtypes_and_sizes(impl: str, reduce_dtype, output_dtype) -> None:
         assert not report["unknown_groups"], report["unknown_groups"]
         assert set(report["sharded"]) == {("torch.float32", "torch.float32", True)}, report
         assert set(report["grads"]) == {("torch.float32", True)}, report["grads"]
-        assert report["forward_params"] == [
-            ("Linear", "torch.bfloat16", False)
-        ], report["forward_params"]
+        assert report["forward_params"] == [("Linear", "torch.bfloat16", False)], report[
+            "forward_params"
+        ]
         assert report["ag"] == [("torch.bfloat16", "torch.bfloat16", True, True)], report["ag"]
-        assert report["rs"] == [(rs_dtype, rs_dtype)], report["rs"]
+        assert report["rs"] == [(rs_dtype, rs_dtype, True, True)], report["rs"]
+        # Two steps: the root gathers once per forward (not resharded), each block once
+        # per forward and once per backward; one reduce-scatter per group per backward.
+        blocks = [f"blocks.{i}" for i in range(len(HIDDENS))]
+        expected_ag = sorted([("root", 2)] + [(b, 4) for b in blocks])
+        assert report["counts"]["AG"] == expected_ag, report["counts"]
+        assert report["counts"]["RS"] == sorted((g, 2) for g in ["root", *blocks])
         assert set(report["outputs"]) == {output_dtype or BF16}, report["outputs"]
 
 
@@ -300,3 +348,428 @@ def test_cast_forward_inputs_and_output_dtype(impl: str) -> None:
             assert r["out"] == ("torch.float32" if output else "torch.bfloat16"), (key, r)
             assert r["ids"] == "torch.int64", (key, r)
             assert r["grad"] == "torch.float32", (key, r)
+
+
+# ------------------------------------------------------------------ mixed-dtype groups
+#
+# fsdp2 lets one group hold parameters of different dtypes (torch's FSDP2 rejects it; see
+# [Note: mixed-dtype groups] in fsdp2/_param_group.py): the flat shard is a byte buffer,
+# the all-gather sends bytes once per group, and gradients are reduced in one collective
+# in the policy's reduce dtype, else in the promotion of their dtypes.
+
+OTHER = {"fp64": torch.float64, "bf16": BF16}
+# Per sharded-parameter dtype, the tolerance vs the same-casts reference at world sizes 3
+# and 4 (at 1 and 2 the arithmetic is the same, so the results must be bitwise equal: a
+# sum of two terms does not depend on its order and dividing by 2 is exact). At 3 and 4
+# ranks only the order of the collective's sum differs: ~1 ulp of the reduce dtype in a
+# gradient, which AdamW (lr 1e-2, eps 1e-3) turns into at most ~lr * 2^-23 for fp32 /
+# lr * 2^-52 for fp64 per step. bf16 parameters round every update to 8 bits: one ulp
+# flip of a value below 1 is <= 2^-8 (3.9e-3); 1e-2 allows two such flips. Gradients
+# reduced in bf16 (param_dtype=bf16 without reduce_dtype) change by a bf16 ulp with the sum
+# order, which moves every parameter by up to ~lr * 2^-8 per step: ``MP_TOL`` then.
+MIXED_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, BF16: 1e-2}
+
+
+class MixedBlock(nn.Module):
+    """``lin1`` in fp32, ``lin2`` in ``other``; one group when sharded."""
+
+    def __init__(self, other: torch.dtype) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(9, 5)
+        self.lin2 = nn.Linear(5, 9, dtype=other)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin1(x.to(self.lin1.weight.dtype)))
+        return x + self.lin2(h.to(self.lin2.weight.dtype)).to(x.dtype)
+
+
+class MixedNet(nn.Module):
+    """Two groups, each mixing fp32 and ``other``: the root (``inp`` and ``scale`` fp32,
+    ``head`` in ``other``) and ``block``. Dim-0 sizes 9, 5 and 6 split unevenly over 2-4
+    ranks (6 leaves rank 3 of 4 an empty shard). Activations are cast to each layer's
+    dtype; the output is fp32."""
+
+    def __init__(self, other: torch.dtype) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 9)
+        self.block = MixedBlock(other)
+        self.scale = nn.Parameter(torch.ones(9))
+        self.head = nn.Linear(9, 6, dtype=other)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.inp(x.to(self.inp.weight.dtype)))
+        return self.head((h * self.scale.to(h.dtype)).to(self.head.weight.dtype)).float()
+
+
+def build_mixed(other: torch.dtype, seed: int = 0) -> MixedNet:
+    model = MixedNet(other)
+    deterministic_init(model, seed)  # draws in fp32, copies into each dtype
+    return model
+
+
+def shard_mixed(model: MixedNet, mesh=None, **kwargs) -> MixedNet:
+    fsdp2 = api("fsdp2", "fully_shard")
+    mesh = mesh if mesh is not None else make_mesh()
+    fsdp2(model.block, mesh=mesh, **kwargs)
+    fsdp2(model, mesh=mesh, **kwargs)
+    return model
+
+
+def mixed_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    groups: dict[str, list] = {"root": [], "block": []}
+    for name, p in model.named_parameters():
+        groups["block" if name.startswith("block.") else "root"].append((name, p))
+    return groups
+
+
+def padded_numel(p: torch.Tensor, ws: int) -> int:
+    """Elements of one rank's padded shard (``ceil(dim0 / ws)`` rows)."""
+    return math.ceil(p.shape[0] / ws) * math.prod(p.shape[1:])
+
+
+def same_casts_step(master: nn.Module, opt, batch, ws: int, param_dtype, reduce_dtype) -> float:
+    """What FSDP computes, on one process: per rank slice, a copy of the master model (cast
+    to ``param_dtype`` if set) computes its local gradients; they are summed in the reduce
+    dtype (``reduce_dtype``, else ``param_dtype``, else the promotion of the gradients'
+    dtypes), divided by ``ws`` and cast to each master parameter's dtype."""
+    params = list(master.parameters())
+    local_grads: list[list[torch.Tensor]] = []
+    losses = []
+    for r in range(ws):
+        x, y = rank_slice(batch, r, ws)
+        local = copy.deepcopy(master)
+        if param_dtype is not None:
+            local.to(param_dtype)
+            x = x.to(param_dtype)
+        loss = mse32(local, (x, y))
+        loss.backward()
+        losses.append(loss.item())
+        local_grads.append([p.grad for p in local.parameters()])
+    dtype = reduce_dtype or param_dtype
+    if dtype is None:
+        dtype = functools.reduce(torch.promote_types, (g.dtype for g in local_grads[0]))
+    for i, p in enumerate(params):
+        total = local_grads[0][i].to(dtype)
+        for grads in local_grads[1:]:
+            total = total + grads[i].to(dtype)
+        p.grad = (total / ws).to(p.dtype)
+    opt.step()
+    opt.zero_grad()
+    return sum(losses) / ws
+
+
+def storages_per_group(model: nn.Module) -> dict[str, int]:
+    """How many storages each group's local shards live in (1: one flat buffer)."""
+    return {
+        g: len({p.to_local().untyped_storage().data_ptr() for _, p in ps})
+        for g, ps in mixed_groups(model).items()
+    }
+
+
+def mixed_parity(other: str, param_dtype, reduce_dtype, setup: str) -> dict:
+    """Rank function: train the mixed-dtype model sharded and the same-casts reference.
+    ``setup``: "" (1-D mesh), "offload", "reshard_2" (reshard_after_forward=2) or "hsdp"
+    (a 2 x (ws/2) mesh)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = build_mixed(OTHER[other])
+    kwargs: dict = {}
+    if param_dtype is not None or reduce_dtype is not None:
+        kwargs["mp_policy"] = policy("fsdp2", param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if setup == "offload":
+        kwargs["offload_policy"] = api("fsdp2", "CPUOffloadPolicy")(pin_memory=False)
+    elif setup == "reshard_2":
+        kwargs["reshard_after_forward"] = 2
+    elif setup == "hsdp":
+        names = ("replicate", "shard")
+        kwargs["mesh"] = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=names)
+    model = shard_mixed(copy.deepcopy(ref), **kwargs)
+    ref_opt, opt = adamw(ref), adamw(model)
+    ref_params = dict(ref.named_parameters())
+    report: dict = {"steps": [], "dtypes": set(), "storages": []}
+    for step in range(STEPS):
+        batch = global_batch(step, 2 * ws)
+        ref_loss = same_casts_step(ref, ref_opt, batch, ws, param_dtype, reduce_dtype)
+        loss = mse32(model, rank_slice(batch, rank, ws))
+        loss.backward()
+        for name, p in model.named_parameters():
+            report["dtypes"].add(
+                (name, str(p.dtype), str(p.to_local().dtype), str(p.grad.to_local().dtype))
+            )
+        opt.step()
+        opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        diffs = {}
+        for name, p in model.named_parameters():
+            expected = ref_params[name].detach()
+            diffs[name] = (str(expected.dtype), (full(p.detach()) - expected).abs().max().item())
+        report["steps"].append(
+            {"loss": mean_loss.item() / ws, "ref_loss": ref_loss, "params": diffs}
+        )
+        report["storages"].append(storages_per_group(model))
+    report["dtypes"] = sorted(report["dtypes"])
+    return report
+
+
+MIXED_CASES = {
+    # name: ((other dtype, param_dtype, reduce_dtype, setup), world sizes)
+    "fp32+fp64": (("fp64", None, None, ""), (1, 2, 3, 4)),
+    "fp32+bf16": (("bf16", None, None, ""), (2, 3)),
+    "fp32+bf16-reduce_fp32": (("bf16", None, FP32, ""), (2, 3)),
+    "fp32+fp64-param_bf16": (("fp64", BF16, None, ""), (2, 3)),
+    "fp32+fp64-param_bf16-reduce_fp32": (("fp64", BF16, FP32, ""), (2, 3)),
+    "fp32+bf16-offload": (("bf16", None, None, "offload"), (2, 3)),
+    "fp32+bf16-reshard_2": (("bf16", None, None, "reshard_2"), (4,)),
+    "fp32+fp64-param_bf16-reshard_2": (("fp64", BF16, None, "reshard_2"), (4,)),
+    "fp32+bf16-hsdp": (("bf16", None, None, "hsdp"), (4,)),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "world_size"), [(c, ws) for c, (_, sizes) in MIXED_CASES.items() for ws in sizes]
+)
+def test_mixed_dtype_group_matches_reference(case: str, world_size: int) -> None:
+    """Sharded parameters keep their own dtypes (and so do their gradients); training
+    matches the same-casts reference: bitwise at 1-2 ranks, within ``MIXED_TOL`` at 3-4;
+    every group's shards stay in one buffer through the optimizer steps."""
+    args = MIXED_CASES[case][0]
+    other, param_dtype, reduce_dtype, _ = args
+    bf16_reduce = (reduce_dtype or param_dtype) == BF16
+    for rank, report in enumerate(run_ranks(mixed_parity, world_size, *args)):
+        for name, dtype, local_dtype, grad_dtype in report["dtypes"]:
+            expected = str(OTHER[other]) if name.startswith(("head", "block.lin2")) else str(FP32)
+            assert (dtype, local_dtype, grad_dtype) == (expected,) * 3, (name, report["dtypes"])
+        for step, e in enumerate(report["steps"]):
+            where = f"[{case}, ws {world_size}, rank {rank}, step {step}]"
+            # Losses are averaged differently (an fp32 all-reduce vs Python floats).
+            loss_tol = MP_TOL if bf16_reduce else 1e-5
+            assert abs(e["loss"] - e["ref_loss"]) < loss_tol, f"{where} {e}"
+            exact = world_size <= 2
+            for name, (dtype, diff) in e["params"].items():
+                tol = 0.0 if exact else MIXED_TOL[getattr(torch, dtype.split(".")[1])]
+                tol = max(tol, MP_TOL) if bf16_reduce and not exact else tol
+                assert diff <= tol, f"{where} {name} ({dtype}) differs by {diff:.3g} > {tol}"
+        assert all(s == {"root": 1, "block": 1} for s in report["storages"]), report["storages"]
+
+
+def expected_sizes(other: torch.dtype, ws: int, param_dtype, reduce_dtype) -> dict:
+    """Per group: the all-gather's dtype and input bytes, the reduce-scatter's dtype and
+    output elements, from the unsharded shapes (every parameter is trainable)."""
+    sizes = {}
+    for group, params in mixed_groups(build_mixed(other)).items():
+        dtypes = [p.dtype for _, p in params]
+        numels = [padded_numel(p, ws) for _, p in params]
+        ag_dtype = param_dtype or torch.uint8
+        per_element = [(param_dtype or d).itemsize for d in dtypes]
+        rs_dtype = reduce_dtype or param_dtype or functools.reduce(torch.promote_types, dtypes)
+        sizes[group] = {
+            "ag_dtype": str(ag_dtype),
+            "ag_bytes": sum(n * b for n, b in zip(numels, per_element)),
+            "rs_dtype": str(rs_dtype),
+            # fsdp2 appends one "had a gradient" flag per parameter to each rank's chunk
+            "rs_numel": sum(numels) + len(params),
+        }
+    return sizes
+
+
+def mixed_collectives(other: str, param_dtype, reduce_dtype, sizes: dict) -> dict:
+    """Rank function: two training steps; every all-gather / reduce-scatter by phase, and
+    the storages of the all-gather inputs vs those of each group's shards."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    kwargs = {}
+    if param_dtype is not None or reduce_dtype is not None:
+        kwargs["mp_policy"] = policy("fsdp2", param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model = shard_mixed(build_mixed(OTHER[other]), **kwargs)
+    opt = adamw(model)
+    # Groups are told apart by all-gather input numel (bytes when uint8) and reduce-scatter
+    # output numel; the model's shapes keep these four numbers distinct.
+    keys: dict[int, str] = {}
+    for group, s in sizes.items():
+        ag_numel = s["ag_bytes"] // getattr(torch, s["ag_dtype"].split(".")[1]).itemsize
+        for numel in (ag_numel, s["rs_numel"]):
+            assert keys.setdefault(numel, group) == group, f"group sizes collide: {sizes}"
+    ag_storages: list[int] = []
+    with CollectiveLog(keys) as log:
+        inner = dist.all_gather_single
+
+        def spy(output_tensor, input_tensor, *args, **kwargs):
+            ag_storages.append(input_tensor.untyped_storage().data_ptr())
+            return inner(output_tensor, input_tensor, *args, **kwargs)
+
+        dist.all_gather_single = spy
+        try:
+            for step in range(2):
+                x, y = rank_slice(global_batch(step, 2 * ws), rank, ws)
+                log.phase = f"forward{step}"
+                loss = mse32(model, (x, y))
+                log.phase = f"backward{step}"
+                loss.backward()
+                log.phase = ""
+                opt.step()
+                opt.zero_grad()
+        finally:
+            dist.all_gather_single = inner
+    shard_storages = {
+        g: sorted({p.to_local().untyped_storage().data_ptr() for _, p in ps})
+        for g, ps in mixed_groups(model).items()
+    }
+    return {
+        "calls": [
+            (c.kind, c.group, c.phase, str(c.in_dtype), str(c.out_dtype), c.in_bytes, c.out_bytes)
+            for c in log.calls
+        ],
+        "out_numels": [(c.kind, c.group, c.out_numel) for c in log.calls],
+        "ag_storages": ag_storages,
+        "shard_storages": shard_storages,
+    }
+
+
+COLLECTIVE_CASES = {
+    "fp32+fp64": ("fp64", None, None),
+    "fp32+bf16": ("bf16", None, None),
+    "fp32+bf16-reduce_fp32": ("bf16", None, FP32),
+    "fp32+fp64-param_bf16-reduce_fp32": ("fp64", BF16, FP32),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("case", list(COLLECTIVE_CASES))
+def test_mixed_dtype_group_collectives(case: str, world_size: int) -> None:
+    """One all-gather per group per pass that needs it (forward; backward for the resharded
+    block), in uint8 carrying exactly the padded shards' bytes (param_dtype: in that dtype),
+    its input the flat shard buffer itself (no copy-in); one reduce-scatter per group per
+    backward, in the reduce dtype (policy, else the promotion of the dtypes)."""
+    other, param_dtype, reduce_dtype = COLLECTIVE_CASES[case]
+    sizes = expected_sizes(OTHER[other], world_size, param_dtype, reduce_dtype)
+    args = (*COLLECTIVE_CASES[case], sizes)
+    for rank, r in enumerate(run_ranks(mixed_collectives, world_size, *args)):
+        where = f"[{case}, ws {world_size}, rank {rank}]"
+        per_phase = {}
+        for kind, group, phase, *_ in r["calls"]:
+            key = (phase, kind, group)
+            per_phase[key] = per_phase.get(key, 0) + 1
+        expected = {}
+        for step in range(2):
+            for group in sizes:
+                expected[(f"forward{step}", "AG", group)] = 1
+                expected[(f"backward{step}", "RS", group)] = 1
+            expected[(f"backward{step}", "AG", "block")] = 1  # the root stays unsharded
+        assert per_phase == expected, f"{where} collectives per phase: {per_phase}"
+        for kind, group, _, in_dtype, out_dtype, in_bytes, out_bytes in r["calls"]:
+            s = sizes[group]
+            if kind == "AG":
+                assert (in_dtype, out_dtype) == (s["ag_dtype"],) * 2, (where, group, in_dtype)
+                assert in_bytes == s["ag_bytes"], (where, group, in_bytes, s)
+                assert out_bytes == world_size * s["ag_bytes"], (where, group, out_bytes, s)
+            else:
+                assert (in_dtype, out_dtype) == (s["rs_dtype"],) * 2, (where, group, in_dtype)
+                itemsize = getattr(torch, s["rs_dtype"].split(".")[1]).itemsize
+                assert out_bytes == itemsize * s["rs_numel"], (where, group, out_bytes, s)
+                assert in_bytes == world_size * out_bytes, (where, group, in_bytes)
+        for group, storages in r["shard_storages"].items():
+            assert len(storages) == 1, f"{where} {group}: shards in {len(storages)} storages"
+            if param_dtype is None:  # the byte buffer itself is sent
+                assert storages[0] in r["ag_storages"], f"{where} {group}: all-gather copied in"
+            else:  # one cast: a new buffer
+                assert storages[0] not in r["ag_storages"], (where, group)
+
+
+def grads_and_sgd_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    """One forward/backward and a plain SGD step (no optimizer state); full gradients."""
+    mse32(model, batch).backward()
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.1)
+            p.grad = None
+    return grads
+
+
+def mixed_views_survive(other: str) -> dict:
+    """Rank function: a trained mixed-dtype model through state_dict, load_state_dict,
+    ``to()``, ``to(float64)`` and a meta-device ``to_empty()``."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    dtype = OTHER[other]
+    model = shard_mixed(build_mixed(dtype))
+    opt = adamw(model)
+    for step in range(2):
+        mse32(model, rank_slice(global_batch(step, 2 * ws), rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+    batch = rank_slice(global_batch(5, 2 * ws), rank, ws)
+    report: dict = {}
+    sd = model.state_dict()
+    report["sd"] = sorted((k, str(v.dtype), is_dtensor(v)) for k, v in sd.items())
+    values = {k: full(v).clone() for k, v in sd.items()}
+
+    def same_values(m: nn.Module) -> bool:
+        return all(torch.equal(full(p.detach()), values[n]) for n, p in m.named_parameters())
+
+    # load_state_dict into a differently initialized sharded model: in place, same views.
+    loaded = shard_mixed(build_mixed(dtype, seed=1))
+    ptrs = [p.to_local().data_ptr() for p in loaded.parameters()]
+    loaded.load_state_dict(sd)
+    report["load_equal"] = same_values(loaded)
+    report["load_in_place"] = ptrs == [p.to_local().data_ptr() for p in loaded.parameters()]
+    # A meta-device model, materialized with to_empty() and loaded.
+    with torch.device("meta"):
+        meta = MixedNet(dtype)
+    shard_mixed(meta)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(sd)
+    report["to_empty_equal"] = same_values(meta)
+    # module.to() on the device it is on: nothing moves.
+    model.to("cpu")
+    report["to_same_equal"] = same_values(model)
+    # All three then compute the same step, bitwise.
+    grads = [grads_and_sgd_step(m, batch) for m in (model, loaded, meta)]
+    report["grads_equal"] = all(torch.equal(g[n], grads[0][n]) for g in grads[1:] for n in grads[0])
+    report["params_equal_after_step"] = all(
+        torch.equal(full(p.detach()), full(q.detach()))
+        for m in (loaded, meta)
+        for p, q in zip(model.parameters(), m.parameters())
+    )
+    report["storages"] = [storages_per_group(m) for m in (model, loaded, meta)]
+    # to(float64) makes every group one-dtype: values kept, one buffer, still trains.
+    before = {n: full(p.detach()).double() for n, p in model.named_parameters()}
+    model.to(torch.float64)
+    report["f64_values_kept"] = all(
+        torch.equal(full(p.detach()), before[n]) for n, p in model.named_parameters()
+    )
+    grads64 = grads_and_sgd_step(model, (batch[0].double(), batch[1]))
+    report["f64_dtypes"] = sorted(
+        {
+            (str(p.dtype), str(p.to_local().dtype), str(g.dtype))
+            for (_, p), g in zip(model.named_parameters(), grads64.values())
+        }
+    )
+    report["f64_storages"] = storages_per_group(model)
+    return report
+
+
+@pytest.mark.parametrize("other", ["fp64", "bf16"])
+def test_mixed_dtype_group_state_dict_and_moves(other: str) -> None:
+    """The typed views into the byte buffer survive optimizer steps, ``load_state_dict``
+    (in place), ``to_empty()`` + load, ``to()``; ``to(float64)`` re-lays the group out as
+    one dtype. State dicts hold DTensors in each parameter's own dtype."""
+    for rank, r in enumerate(run_ranks(mixed_views_survive, 3, other)):
+        where = f"[{other}, rank {rank}]"
+        dtypes = {k: d for k, d, _ in r["sd"]}
+        assert all(dt for _, _, dt in r["sd"]), f"{where} state dict not DTensors: {r['sd']}"
+        assert dtypes["head.weight"] == str(OTHER[other]), (where, dtypes)
+        assert dtypes["inp.weight"] == dtypes["block.lin1.bias"] == str(FP32), (where, dtypes)
+        for key in ("load_equal", "load_in_place", "to_empty_equal", "to_same_equal"):
+            assert r[key], f"{where} {key}"
+        assert r["grads_equal"] and r["params_equal_after_step"], where
+        assert all(s == {"root": 1, "block": 1} for s in r["storages"]), (where, r["storages"])
+        assert r["f64_values_kept"], where
+        f64 = str(torch.float64)
+        assert r["f64_dtypes"] == [(f64, f64, f64)], (where, r["f64_dtypes"])
+        assert r["f64_storages"] == {"root": 1, "block": 1}, (where, r["f64_storages"])
+
+
+def test_docs_example() -> None:
+    """The first ```python block of docs/mixed_precision.md runs on 2 ranks."""
+    require_impl("fsdp2")
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "mixed_precision.md"
+    assert all(run_ranks(exec_doc_example, 2, first_python_block(doc), str(doc)))

@@ -3,12 +3,14 @@
 On this CPU-only test machine the compute device is the CPU as well, so these tests check
 the contract rather than the copies: with ``CPUOffloadPolicy(pin_memory=False)`` and with
 the default (``pin_memory=True``, which fsdp2 accepts without CUDA; torch raises), training matches
-the unsharded reference within 1e-5, every sharded parameter's and gradient's local
-tensor is on the CPU, and fsdp2 and torch's FSDP2 with the same policy produce equal
-losses and parameters. Mixed precision on top of offload is covered once as well.
+the unsharded reference within 1e-5, every sharded parameter's, gradient's and optimizer
+state's local tensor is on the CPU, and fsdp2 and torch's FSDP2 with the same policy
+produce equal losses and parameters. Mixed precision on top of offload is covered once as well.
 """
 
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from _control_helpers import (
 )
 from _helpers import IMPLS, full, require_impl
 from _launcher import run_ranks
+from test_grad_accumulation import exec_doc_example, first_python_block
 
 
 def offload_policy(impl: str, pin_memory: bool | None):
@@ -52,6 +55,10 @@ def offload_training(impl: str, pin_memory: bool | None) -> dict:
             devices.add(("grad", p.grad.to_local().device.type))
         opt.step()
         opt.zero_grad()
+        for state in opt.state.values():  # the optimizer steps on the CPU shards
+            for name, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    devices.add((f"optim.{name}", value.to_local().device.type))
         steps.append(max_param_diff(ref, model))
     return {"steps": steps, "devices": sorted(devices)}
 
@@ -67,7 +74,8 @@ def offload_training(impl: str, pin_memory: bool | None) -> dict:
 def test_offload_parity(impl: str, pin_memory: bool | None) -> None:
     require_impl(impl)
     for rank, report in enumerate(run_ranks(offload_training, 2, impl, pin_memory)):
-        assert report["devices"] == [("grad", "cpu"), ("param", "cpu")], report["devices"]
+        expected = ["grad", "optim.exp_avg", "optim.exp_avg_sq", "param"]
+        assert report["devices"] == [(k, "cpu") for k in expected], report["devices"]
         for step, (name, diff) in enumerate(report["steps"]):
             assert diff <= TOL, f"[{impl}, rank {rank}, step {step}] {name} differs by {diff:.3g}"
 
@@ -109,3 +117,10 @@ def test_offload_equal_to_torch(mixed_precision: bool) -> None:
         require_impl(impl)
     for rank, report in enumerate(run_ranks(offload_cross_impl, 2, mixed_precision)):
         assert not report["mismatches"], f"rank {rank}: {report['mismatches']}"
+
+
+def test_docs_example() -> None:
+    """The first ```python block of docs/offload.md runs on 2 ranks."""
+    require_impl("fsdp2")
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "offload.md"
+    assert all(run_ranks(exec_doc_example, 2, first_python_block(doc), str(doc)))
