@@ -55,11 +55,12 @@ __all__ = [
 def _is_fsdp_module(module: nn.Module) -> bool:
     if isinstance(module, FSDPModule):
         return True
-    try:  # torch's own fully_shard: the helpers work on its models too
-        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(module, TorchFSDPModule)
+    # torch's own fully_shard: the helpers work on its models too. Matched by name in the
+    # MRO because fsdp2 never imports torch.distributed.fsdp.
+    return any(
+        klass.__name__ == "FSDPModule" and klass.__module__.startswith("torch.distributed.fsdp")
+        for klass in type(module).__mro__
+    )
 
 
 def _reshard_all(module: nn.Module) -> None:

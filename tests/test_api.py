@@ -99,3 +99,25 @@ def test_fsdp_module_methods_match_torch() -> None:
         assert params(getattr(fsdp2.FSDPModule, name)) == params(
             getattr(torch_fsdp.FSDPModule, name)
         ), name
+
+
+def test_package_never_imports_torch_fsdp() -> None:
+    """fsdp2 is built on torch's public pieces only: no import of torch.distributed.fsdp
+    anywhere in the package (checked on the source, including imports inside functions)."""
+    import ast
+    import pathlib
+
+    offenders = []
+    for path in sorted(pathlib.Path(fsdp2.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(
+                n == "torch.distributed.fsdp" or n.startswith("torch.distributed.fsdp.")
+                for n in names
+            ):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
