@@ -1,0 +1,132 @@
+"""Smoke test of the benchmark harness (benchmarks/compare.py): schema and deterministic counts.
+
+Runs the quick mode on torch's fake process group inside this process (``--inprocess``: no
+rank processes to spawn), twice, and checks the JSON it writes. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+
+from benchmarks import compare
+from benchmarks.memory import CATEGORIES
+
+IMPLS = ("fsdp2", "torch")
+SHARDED_KEYS = ("time", "overhead", "comm", "probe", "memory", "copy_bytes", "copy_roles", "ttfs")
+COPY_ROLES = (
+    "all_gather_copy_in",
+    "all_gather_copy_out",
+    "reduce_scatter_copy_in",
+    "reduce_scatter_copy_out",
+    "other",
+)
+
+
+def _run(tmp_path: Path, name: str, config: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    argv = [
+        "--quick",
+        "--inprocess",
+        "--config",
+        config,
+        "--fake-world-size",
+        "4",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--ttfs-repeats",
+        "1",
+        "--impls",
+        ",".join(IMPLS),
+        "--json",
+        str(out),
+    ]
+    assert compare.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _counts(data: dict[str, Any]) -> dict[str, Any]:
+    """Everything in a run that must not change from one run to the next."""
+    out = {}
+    for entry in data["runs"]:
+        for label, res in entry["results"].items():
+            out[(entry["config"], label)] = {
+                "comm": res["comm"],
+                "c10d": res["probe"]["c10d_calls"],
+                "copy_bytes": res["probe"]["copy_bytes"],
+                "copy_roles": res["copy_roles"],
+                "lower_bound": entry["lower_bound"]["bytes"],
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("bench")
+    return {
+        "small-many": _run(tmp, "a", "small-many"),
+        "small-many again": _run(tmp, "b", "small-many"),
+        "bf16": _run(tmp, "c", "bf16"),
+    }
+
+
+@pytest.mark.parametrize("config", ["small-many", "bf16"])
+def test_quick_schema(runs: dict[str, dict[str, Any]], config: str) -> None:
+    data = runs[config]
+    assert {"command", "date", "host", "impls", "steps", "sources"} <= data["meta"].keys()
+    assert "failures" not in data["meta"]
+    (entry,) = data["runs"]
+    assert entry["config"] == config and entry["world_size"] == 4 and entry["fake"] is True
+    assert entry["impls"] == list(IMPLS)
+    assert {"bytes", "parts", "binding_phase"} <= entry["lower_bound"].keys()
+    assert entry["lower_bound"]["bytes"] > 0
+    assert set(entry["results"]) == {"plain", *IMPLS}
+    for label, res in entry["results"].items():
+        assert res["status"] == "ok", res.get("error")
+        for key in ("step_s", "fwd_s", "bwd_s", "opt_s"):
+            assert res["time"][key] >= 0
+        assert set(res["copy_roles"]) == set(COPY_ROLES)
+        assert res["memory"]["peak_bytes"] > 0
+        assert set(res["memory"]["breakdown"]) == set(CATEGORIES)
+        if label == "plain":
+            assert res["comm"]["total_count"] == 0
+            continue
+        assert set(SHARDED_KEYS) <= res.keys()
+        kinds = res["comm"]["by_kind"]
+        assert kinds["all_gather"]["count"] > 0 and kinds["reduce_scatter"]["count"] > 0
+        # Every collective reached the backend: the Python-API count matches the dispatcher.
+        assert res["comm"]["total_count"] == res["probe"]["c10d_calls_total"]
+        assert res["memory"]["lower_bound_bytes"] == entry["lower_bound"]["bytes"]
+        assert {"time_to_first_step_s", "lazy_init_s", "shard_s"} <= res["ttfs"].keys()
+    # Both implementations issue the same kinds of collectives on the same model.
+    assert (
+        entry["results"]["fsdp2"]["comm"]["by_kind"].keys()
+        == entry["results"]["torch"]["comm"]["by_kind"].keys()
+    )
+
+
+def test_counts_are_deterministic(runs: dict[str, dict[str, Any]]) -> None:
+    assert _counts(runs["small-many"]) == _counts(runs["small-many again"])
+
+
+def test_report_renders(runs: dict[str, dict[str, Any]]) -> None:
+    from benchmarks import report
+
+    md = report.markdown(runs["small-many"])
+    assert "## Targets" in md and "## Ratios" in md and "small-many" in md
+
+
+def test_cuda_mode_fails_clearly_without_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        compare.main(["--device", "cuda", "--quick"])
