@@ -195,6 +195,7 @@ def summarize(
         "steps": spec.steps,
         "warmup": spec.warmup,
         "ttfs_repeats": spec.ttfs_repeats,
+        "adamw_foreach": getattr(spec, "foreach", None),
         "impls": spec.impls,
         "lower_bound": lb,
         "paired": paired_res,

@@ -71,23 +71,28 @@ def _line_plot(
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     impls = sorted({k[0] for k in series})
     markers = "osd^v<>"
-    for key, s in sorted(series.items()):
+    # One colour per (config, ...) line, shared by the implementations; one style per impl.
+    rests = sorted({k[1:] for k in series}, key=str)
+    colors = [f"C{i % 10}" for i in range(len(rests))]
+    for key, s in sorted(series.items(), key=lambda kv: str(kv[0])):
         impl = key[0]
         style = "-" if impls.index(impl) == 0 else "--"
+        color = colors[rests.index(key[1:])]
         label = " ".join(f"{g}={v}" for g, v in zip(group, key))
         xs = [p[x] for p in s]
         mk = markers[impls.index(impl) % len(markers)]
-        axes[0].plot(xs, [p["overhead_ms"] for p in s], style, marker=mk, label=label)
-        axes[1].plot(xs, [p["fwd_bwd_overhead_ms"] for p in s], style, marker=mk, label=label)
-        axes[2].plot(xs, [p["peak_mib"] for p in s], style, marker=mk, label=label)
+        kw = {"marker": mk, "label": label, "color": color}
+        axes[0].plot(xs, [p["overhead_ms"] for p in s], style, **kw)
+        axes[1].plot(xs, [p["fwd_bwd_overhead_ms"] for p in s], style, **kw)
+        axes[2].plot(xs, [p["peak_mib"] for p in s], style, **kw)
         if impls.index(impl) == 0:
-            axes[2].plot(xs, [p["lower_bound_mib"] for p in s], ":", color="gray", linewidth=1)
+            axes[2].plot(xs, [p["lower_bound_mib"] for p in s], ":", color=color, linewidth=1)
     for ax, ylabel in zip(
         axes,
         (
             "overhead vs non-sharded, ms/step",
             "fwd+bwd overhead, ms/step",
-            "peak live memory, MiB (dotted: lower bound)",
+            "peak live memory, MiB (dotted: lower bound; solid/dashed: impls)",
         ),
     ):
         ax.set_xlabel(x)
@@ -95,7 +100,9 @@ def _line_plot(
         ax.grid(True, alpha=0.3)
         if x == "world":
             ax.set_xscale("log", base=2)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=6)
+    for ax in axes[1:]:
+        ax.set_yscale("log")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -205,7 +205,7 @@ def format_entry(entry: dict) -> str:
     return "\n".join([head, body, *(f"! {e}" for e in errs)])
 
 
-def markdown(data: dict) -> str:
+def markdown(data: dict, notes: str = "") -> str:
     meta = data.get("meta", {})
     host = meta.get("host", {})
     out = [
@@ -233,6 +233,7 @@ def markdown(data: dict) -> str:
         "",
         targets_table(data.get("runs", [])),
         "",
+        *([notes.rstrip(), ""] if notes else []),
         "## Ratios (first / second implementation)",
         "",
         "step/fwd/bwd/opt: median times; overhead: step time minus the non-sharded step time; "
@@ -269,12 +270,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--json", default=str(RESULTS / "latest.json"))
     p.add_argument("--out", default=None, help="default results/<yyyy-mm-dd of the run>.md")
+    p.add_argument(
+        "--notes", default=None, help="markdown file inserted after the targets (analysis)"
+    )
+    p.add_argument("--also", nargs="*", default=[], help="more JSON files whose runs are appended")
     args = p.parse_args(argv)
     data = json.loads(Path(args.json).read_text())
+    for extra in args.also:
+        more = json.loads(Path(extra).read_text())
+        command = more.get("meta", {}).get("command", extra)
+        for entry in more.get("runs", []):
+            entry["description"] = f"{entry.get('description', '')} (from `{command}`)"
+            data.setdefault("runs", []).append(entry)
+    notes = Path(args.notes).read_text() if args.notes else ""
     stamp = (data.get("meta", {}).get("date") or _dt.date.today().isoformat())[:10]
     out = Path(args.out) if args.out else RESULTS / f"{stamp}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(data))
+    out.write_text(markdown(data, notes))
     print(f"[report] wrote {out}")
     return 0
 

@@ -50,7 +50,8 @@ def where(entry: dict) -> str:
     name = entry.get("config", "?")
     default_layers = {"small-many": 64, "large-few": 4}.get(name, 8)
     suffix = f" L={layers}" if layers != default_layers else ""
-    return f"{name}{suffix} @ {pg} {entry.get('world_size')}"
+    foreach = " (AdamW foreach)" if entry.get("adamw_foreach") else ""
+    return f"{name}{suffix}{foreach} @ {pg} {entry.get('world_size')}"
 
 
 def noise(r: dict) -> float | None:
@@ -125,7 +126,7 @@ def _target(name: str, value: Any, threshold: str, met: bool | None, note: str =
 def targets(runs: list[dict]) -> list[dict[str, Any]]:
     """Evaluate the issue-6 targets on whatever runs are present."""
     out: list[dict[str, Any]] = []
-    ok = [e for e in runs if "results" in e]
+    ok = [e for e in runs if "results" in e and not e.get("adamw_foreach")]
 
     def find(config: str, world: int, fake: bool, layers: int | None = None) -> dict | None:
         for e in ok:
