@@ -17,19 +17,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.targets import noise_summary, summary_table, targets_table  # noqa: E402
+from benchmarks.memory import CATEGORIES  # noqa: E402
+from benchmarks.targets import _get, noise_summary, summary_table, targets_table  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 
 MiB = 1024 * 1024
-
-
-def _get(d: Any, *keys: str) -> Any:
-    for k in keys:
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return d
 
 
 def _fmt(x: Any, unit: str) -> str:
@@ -102,17 +95,7 @@ def rows_for(entry: dict) -> list[tuple[str, str, Any]]:
         ("  other copies (MiB)", "MiB", lambda r: _get(r, "copy_roles", "other")),
         ("peak live memory (MiB)", "MiB", lambda r: _get(r, "memory", "peak_bytes")),
     ]
-    for cat in (
-        "params",
-        "grads",
-        "optim_state",
-        "unsharded_params",
-        "comm_buffers",
-        "activations_fwd",
-        "bwd_temporaries",
-        "optim_temporaries",
-        "other",
-    ):
+    for cat in CATEGORIES:
         rows.append((f"  {cat} (MiB)", "MiB", lambda r, c=cat: _get(r, "memory", "breakdown", c)))
     rows += [
         ("peak / lower bound", "x", lambda r: _get(r, "memory", "peak_over_lower_bound")),

@@ -159,6 +159,7 @@ class ParamGroup:
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
         self._partial_reduce: torch.Tensor | None = None
+        self._all_flags: torch.Tensor | None = None  # cached all-ones flags, see reduce_grads
         self.mp_policy = mp_policy
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
@@ -455,9 +456,14 @@ class ParamGroup:
                 pieces.append(F.pad(rows, (0, padding)).view(ws, p.padded_numel))
         # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
         # the sum each rank knows how many ranks had each gradient, for free.
-        flags = torch.tensor(
-            [float(g is not None) for g in grads], dtype=reduce_dtype, device=self.device
-        )
+        has_grad = [g is not None for g in grads]
+        if all(has_grad):  # the common case: one cached tensor, no per-step host copy
+            ones = self._all_flags
+            if ones is None or ones.dtype != reduce_dtype or ones.numel() != count:
+                ones = self._all_flags = torch.ones(count, dtype=reduce_dtype, device=self.device)
+            flags = ones
+        else:
+            flags = torch.tensor(has_grad, dtype=reduce_dtype, device=self.device)
         pieces.append(flags.expand(ws, count))
         numel = sum(self._reduce_sizes[:count]) + count
         comm = self._require_comm()
@@ -475,7 +481,6 @@ class ParamGroup:
             pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
         # Bound memory: finish older reductions so at most ``max_reduces_in_flight`` remain.
         comm.finish_reduces(keep=max(comm.max_reduces_in_flight - 1, 0))
-        has_grad = [g is not None for g in grads]
         comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad))
 
     def finish_reduce(self, in_flight: ReduceInFlight) -> None:
