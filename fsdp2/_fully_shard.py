@@ -347,11 +347,17 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """How many reduce-scatters (and their input buffers) may be in flight at once.
-        The limit belongs to the communication context the whole tree shares, so the
+        """How many reduce-scatters (and their input buffers) may be in flight at once;
+        default 1, like torch: more lets a group's gradient copy-in skip waiting for the
+        previous reduce-scatter when communication is slower than backward compute, at
+        the price of one more input buffer each. The limit belongs to the communication context the whole tree shares, so the
         root's setting is the one that counts; ``recurse`` exists for torch parity."""
-        valid = isinstance(max_input_buffers, int) and not isinstance(max_input_buffers, bool)
-        if not valid or max_input_buffers < 1:
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"set_reduce_scatter_max_input_buffers expects an int >= 1, "
+                f"got {type(max_input_buffers).__name__} {max_input_buffers!r}."
+            )
+        if max_input_buffers < 1:
             raise ValueError(
                 f"set_reduce_scatter_max_input_buffers expects an int >= 1, "
                 f"got {max_input_buffers!r}."

@@ -114,7 +114,10 @@ class CommContext:
 
     ``all_gather_release``: the event after which the all-gather stream may reuse the
     memory of buffers it allocated and we released (see [Note: buffer lifetime across
-    streams]). ``reduces``: reduce-scatters not yet finished; at most two stay in flight.
+    streams]). ``reduces``: reduce-scatters not yet finished, at most
+    ``max_reduces_in_flight`` (torch's ``set_reduce_scatter_max_input_buffers``, default 1:
+    a group's gradient copy-in waits for the previous group's reduce-scatter, so one input
+    buffer is alive at a time).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -122,7 +125,7 @@ class CommContext:
         self.streams = CommStreams(device)
         self.all_gather_release: Event = None
         self.reduces: list[ReduceInFlight] = []
-        self.max_reduces_in_flight = 2  # set_reduce_scatter_max_input_buffers
+        self.max_reduces_in_flight = 1
 
     def release_all_gather_memory(self) -> None:
         """Called after the compute stream's last use of all-gather-stream memory."""
@@ -155,6 +158,7 @@ class ParamGroup:
         shard_dim = mesh.ndim - 1
         self.process_group = mesh.get_group(shard_dim)
         self.world_size = mesh.size(shard_dim)
+        self.shard_rank = mesh.get_local_rank(shard_dim)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
@@ -330,12 +334,6 @@ class ParamGroup:
         with use_stream(stream):
             # Memory released by the compute stream may be reused only after it is done.
             wait_event(stream, comm.all_gather_release)
-            if post_forward:
-                ag_input, group = self._post_forward_shard, self.post_forward_group
-                self._post_forward_shard = None
-            else:
-                ag_input = self._all_gather_input()
-                group = self.process_group
             if self._gather_in_place:
                 self._alloc_unsharded()
                 output = self._unsharded_write
@@ -345,18 +343,31 @@ class ParamGroup:
                     dtype=self.gather_dtype,
                     device=self.device,
                 )
+            if post_forward:
+                ag_input, group = self._post_forward_shard, self.post_forward_group
+                self._post_forward_shard = None
+            else:
+                ag_input = self._all_gather_input(output)
+                group = self.process_group
             pending = all_gather_flat(output, ag_input, group, stream)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward)
 
-    def _all_gather_input(self) -> torch.Tensor:
-        """The flat shard itself (one dtype, or bytes), or one fused cast (mixed
-        precision) / host-to-device copy (offload) of it."""
+    def _all_gather_input(self, output: torch.Tensor) -> torch.Tensor:
+        """The flat shard itself when it is already in the gathered dtype and on the
+        compute device (no copy-in). Otherwise one fused cast (mixed precision) or
+        host-to-device copy (offload) written straight into this rank's slot of the
+        all-gather ``output`` (an in-place all-gather), so no separate input buffer lives
+        while the collective runs."""
+        flat = self.flat_shard
+        if flat.dtype == self.gather_dtype and flat.device == self.device:
+            return flat
+        n = self.gather_numel
+        slot = output[self.shard_rank * n : (self.shard_rank + 1) * n]
         if not self.mixed or self.gather_dtype == torch.uint8:
-            return self.flat_shard.to(self.device, self.gather_dtype, non_blocking=True)
+            return slot.copy_(flat, non_blocking=True)
         # Mixed dtypes gathered in param_dtype: one cat casts every typed slot at once.
-        source = self.flat_shard.to(self.device, non_blocking=True)
-        ag_input = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=self.device)
-        return torch.cat([p.shard_slot(source) for p in self.params], out=ag_input)
+        source = flat.to(self.device, non_blocking=True)
+        return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
 
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
@@ -468,19 +479,21 @@ class ParamGroup:
         numel = sum(self._reduce_sizes[:count]) + count
         comm = self._require_comm()
         compute = comm.streams.compute()
+        # Bound memory before allocating: finish older reductions (freeing their inputs)
+        # so that with this one at most ``max_reduces_in_flight`` are in flight.
+        comm.finish_reduces(keep=comm.max_reduces_in_flight - 1)
         # One kernel: copy, pad and cast (to reduce_dtype) every gradient at once.
         rs_input = torch.empty(ws * numel, dtype=reduce_dtype, device=self.device)
         torch.cat(pieces, dim=1, out=rs_input.view(ws, numel))
+        del pieces, grads  # the unsharded gradients die here, not when this returns
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
-            rs_input = rs_input.div(predivide)
+            rs_input.div_(predivide)
         stream = comm.streams.reduce_scatter
         wait_stream(stream, compute)  # the gradients were produced on the compute stream
         with use_stream(stream):
             rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
-        # Bound memory: finish older reductions so at most ``max_reduces_in_flight`` remain.
-        comm.finish_reduces(keep=max(comm.max_reduces_in_flight - 1, 0))
         comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad))
 
     def finish_reduce(self, in_flight: ReduceInFlight) -> None:

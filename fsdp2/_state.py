@@ -89,7 +89,7 @@ class FSDPState:
         # set_post_optim_event makes the next forward's all-gathers wait for that event.
         self.is_last_backward = True
         self.post_optim_event: Any = None
-        self.max_reduces_in_flight = 2
+        self.max_reduces_in_flight = 1  # set_reduce_scatter_max_input_buffers
         for module in modules:
             self._hook_handles.append(
                 module.register_forward_pre_hook(
@@ -306,10 +306,12 @@ class FSDPState:
         if group is not None:
             if group.unshard_pending:
                 group.wait_for_unshard()
-            if group.requires_gradient_sync:
-                group.reduce_grads()
+            # Reshard first: the gradients are separate tensors, so the unsharded
+            # parameters can be freed before the reduce-scatter input is allocated.
             if group.reshard_after_backward:
                 group.reshard()
+            if group.requires_gradient_sync:
+                group.reduce_grads()
         self.training_state = TrainingState.IDLE
 
     def _finish_backward(self) -> None:

@@ -261,7 +261,9 @@ class CollectiveLog:
         )
 
     def groups(self, kind: str, phase: str | None = None) -> list[str]:
-        return [c.group for c in self.calls if c.kind == kind and (phase is None or c.phase == phase)]
+        return [
+            c.group for c in self.calls if c.kind == kind and (phase is None or c.phase == phase)
+        ]
 
 
 @contextlib.contextmanager

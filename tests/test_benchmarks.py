@@ -80,6 +80,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
         "small-many": _run(tmp, "a", "small-many"),
         "small-many again": _run(tmp, "b", "small-many"),
         "bf16": _run(tmp, "c", "bf16"),
+        "large-few": _run(tmp, "d", "large-few"),
+        "cpu-offload": _run(tmp, "e", "cpu-offload"),
     }
 
 
@@ -116,6 +118,19 @@ def test_quick_schema(runs: dict[str, dict[str, Any]], config: str) -> None:
         entry["results"]["fsdp2"]["comm"]["by_kind"].keys()
         == entry["results"]["torch"]["comm"]["by_kind"].keys()
     )
+
+
+@pytest.mark.parametrize("config", ["small-many", "bf16", "large-few", "cpu-offload"])
+def test_peak_memory_at_most_torch(runs: dict[str, dict[str, Any]], config: str) -> None:
+    """Peak live tensor bytes are deterministic, so the memory target can be asserted:
+    fsdp2's peak is torch's, give or take the per-parameter gradient flags each
+    reduce-scatter carries ([Note: gradients some ranks lack]: a few elements per group).
+    Reducing before resharding, or allocating a reduce-scatter input while the previous
+    one is alive, or a separate all-gather input for the bf16 cast, each costs a whole
+    block's worth of bytes and fails this."""
+    (entry,) = runs[config]["runs"]
+    peaks = {label: res["memory"]["peak_bytes"] for label, res in entry["results"].items()}
+    assert peaks["fsdp2"] <= peaks["torch"] * 1.001, peaks
 
 
 def test_counts_are_deterministic(runs: dict[str, dict[str, Any]]) -> None:

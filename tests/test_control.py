@@ -568,7 +568,6 @@ def test_set_reshard_after_forward(impl: str) -> None:
         assert report["counts"] == expected, report["counts"]
 
 
-
 CONTROL_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "control.md"
 
 

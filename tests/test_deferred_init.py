@@ -132,8 +132,7 @@ def rank_meta_init_matches_reference(mode: str, tied: bool) -> dict:
     }
     ref_params = dict(ref.named_parameters())
     report["value_diff"] = {
-        n: (p.full_tensor() - ref_params[n]).abs().max().item()
-        for n, p in model.named_parameters()
+        n: (p.full_tensor() - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
     }
     # One training step on the global batch: the shards must be wired into the runtime.
     gen = torch.Generator().manual_seed(7)

@@ -145,6 +145,9 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def max_input_buffers_zero() -> None:
         _sharded_root().set_reduce_scatter_max_input_buffers(0)
 
+    def max_input_buffers_bool() -> None:
+        _sharded_root().set_reduce_scatter_max_input_buffers(True)
+
     def prefetch_unsharded_module() -> None:
         _sharded_root().set_modules_to_forward_prefetch([nn.Linear(2, 2)])  # type: ignore[list-item]
 
@@ -203,7 +206,10 @@ def provoke_all() -> dict[str, tuple[str, str]]:
 
 # case -> (exception type, regex the message must match)
 EXPECTED: dict[str, tuple[str, str]] = {
-    "forward_called_directly": ("RuntimeError", r"Block\.forward\(\) was called directly.*unshard\(\)"),
+    "forward_called_directly": (
+        "RuntimeError",
+        r"Block\.forward\(\) was called directly.*unshard\(\)",
+    ),
     "unregistered_method": (
         "RuntimeError",
         r"FSDPBlock\.generate\(\) computed on sharded parameters.*register_fsdp_forward_method"
@@ -213,20 +219,33 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "shared_param_across_groups": ("ValueError", r"parameter 'lin\.weight' is already managed"),
     "zero_dim_param": ("ValueError", r"0-dim parameter 'temperature'.*ignored_params"),
     "applied_twice": ("ValueError", r"already applied to this FSDPBlock"),
-    "deepcopy_sharded": ("RuntimeError", r"copy\.deepcopy of a sharded FSDPRoot.*before fully_shard"),
+    "deepcopy_sharded": (
+        "RuntimeError",
+        r"copy\.deepcopy of a sharded FSDPRoot.*before fully_shard",
+    ),
     "mesh_not_a_device_mesh": ("TypeError", r"expects a DeviceMesh, got str"),
     "mesh_3d": ("ValueError", r"got a 3-D mesh"),
     "dp_mesh_dims": ("NotImplementedError", r"dp_mesh_dims"),
-    "reshard_int_not_divisor": ("ValueError", r"reshard_after_forward=3.*divisor of the shard group"),
-    "placement_not_shard": ("TypeError", r"shard_placement_fn returned Replicate\(\) for 'lin\.weight'"),
+    "reshard_int_not_divisor": (
+        "ValueError",
+        r"reshard_after_forward=3.*divisor of the shard group",
+    ),
+    "placement_not_shard": (
+        "TypeError",
+        r"shard_placement_fn returned Replicate\(\) for 'lin\.weight'",
+    ),
     "placement_dim_out_of_range": ("ValueError", r"Shard\(2\) for 'lin\.weight'.*must be in"),
     "placement_uneven_dim": ("ValueError", r"Shard\(1\) for 'weight' of shape \(4, 3\).*divisible"),
     "ignored_not_a_parameter": ("TypeError", r"ignored_params.*nn\.Parameter.*got Tensor"),
     "ignored_not_owned": ("ValueError", r"ignored_params.*not a parameter of this module"),
-    "set_reshard_after_forward_not_bool": ("ValueError", r"set_reshard_after_forward expects a bool"),
+    "set_reshard_after_forward_not_bool": (
+        "ValueError",
+        r"set_reshard_after_forward expects a bool",
+    ),
     "divide_factor_not_positive": ("ValueError", r"positive number, got 0"),
     "all_reduce_hook_not_callable": ("ValueError", r"expects a callable, got 'sum'"),
     "max_input_buffers_zero": ("ValueError", r"int >= 1, got 0"),
+    "max_input_buffers_bool": ("TypeError", r"int >= 1, got bool True"),
     "prefetch_unsharded_module": ("ValueError", r"set_modules_to_forward_prefetch.*got Linear"),
     "share_comm_ctx_empty": ("ValueError", r"non-empty list"),
     "share_comm_ctx_after_forward": ("RuntimeError", r"already ran its first forward"),

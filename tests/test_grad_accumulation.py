@@ -123,11 +123,15 @@ def test_grad_accumulation(impl: str, variant: str) -> None:
     for rank, report in enumerate(reports):
         for s, e in enumerate(report["steps"]):
             where = f"[{impl}, {variant}, rank {rank}, step {s}] calls {e['calls']}"
-            assert e["rs"] == expected_rs, f"{where}: {e['rs']} reduce-scatters, expected {expected_rs}"
+            assert e["rs"] == expected_rs, (
+                f"{where}: {e['rs']} reduce-scatters, expected {expected_rs}"
+            )
             assert set(e["rs_groups"]) == {"root"} | {f"blocks.{i}" for i in range(L)}, where
             assert e["ag"] == expected_ag, f"{where}: {e['ag']} all-gathers, expected {expected_ag}"
             name, diff = e["param_worst"]
-            assert diff <= TOL, f"{where}: parameter {name} differs from the reference by {diff:.3g}"
+            assert diff <= TOL, (
+                f"{where}: parameter {name} differs from the reference by {diff:.3g}"
+            )
         assert report["all_sharded"], f"[{impl}, {variant}, rank {rank}] parameters left unsharded"
     # The mean of the local losses over ranks is the reference (global-batch) loss.
     for s in range(STEPS):

@@ -113,7 +113,9 @@ def test_prefetch_schedule(impl: str, mode: str) -> None:
     for rank, report in enumerate(run_ranks(prefetch_schedule, 2, impl, mode)):
         for step, e in enumerate(report["steps"]):
             where = f"[{impl}, {mode}, rank {rank}, step {step}]"
-            assert e["forward"] == forward, f"{where} forward:\n  got      {e['forward']}\n  expected {forward}"
+            assert e["forward"] == forward, (
+                f"{where} forward:\n  got      {e['forward']}\n  expected {forward}"
+            )
             assert e["backward"] == backward, (
                 f"{where} backward:\n  got      {e['backward']}\n  expected {backward}"
             )
