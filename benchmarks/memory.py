@@ -9,7 +9,9 @@
   alive as long as the ``StorageImpl`` lives, so the callback fires exactly at free time).
   Storages grown or freed in place are followed in two ways: ``torch.UntypedStorage.resize_``
   is wrapped while the probe is active (FSDP implementations free unsharded parameters with
-  ``untyped_storage().resize_(0)`` and re-allocate them with ``resize_(n)``), and after every
+  ``untyped_storage().resize_(0)`` and re-allocate them with ``resize_(n)``; fsdp2's CPU
+  buffer pool moves memory between storages with ``_swap_data_ptr_``, wrapped the same way),
+  and after every
   op the storages of its arguments are re-measured (``aten.resize_``, ``aten.set_``...).
   Tensor subclasses (DTensor) are flattened to their inner local tensors, so sizes are local.
   Tensors that exist before the step (parameters, gradients, optimizer state, buffers) are
@@ -89,6 +91,7 @@ CATEGORIES = (
 _active: list[StepProbe] = []
 _resize_lock = threading.Lock()
 _orig_resize: Any = None
+_orig_swap: Any = None
 
 
 def local_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -215,16 +218,30 @@ def _patched_resize(self: torch.UntypedStorage, size: int) -> Any:
     return out
 
 
+def _patched_swap(self: torch.UntypedStorage, other: torch.UntypedStorage) -> Any:
+    out = _orig_swap(self, other)
+    # The side that lost memory first, so the move never looks like a new peak.
+    pair = sorted((self, other), key=lambda st: st.nbytes())
+    for probe in _active:
+        for st in pair:
+            probe._track(st, origin=None)
+    return out
+
+
 def _install_resize_hook() -> None:
-    global _orig_resize
+    global _orig_resize, _orig_swap
     with _resize_lock:
         if _orig_resize is None:
             _orig_resize = torch.UntypedStorage.resize_
             torch.UntypedStorage.resize_ = _patched_resize  # type: ignore[method-assign]
+        # fsdp2 moves pooled CPU buffers in and out of storages this way.
+        if _orig_swap is None and hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+            _orig_swap = torch.UntypedStorage._swap_data_ptr_
+            torch.UntypedStorage._swap_data_ptr_ = _patched_swap  # type: ignore[method-assign]
 
 
 def _remove_resize_hook() -> None:
-    global _orig_resize
+    global _orig_resize, _orig_swap
     with _resize_lock:
         if _orig_resize is not None and not _active:
             if "resize_" in torch.UntypedStorage.__dict__:
@@ -232,6 +249,10 @@ def _remove_resize_hook() -> None:
             if torch.UntypedStorage.resize_ is not _orig_resize:
                 torch.UntypedStorage.resize_ = _orig_resize  # type: ignore[method-assign]
             _orig_resize = None
+        if _orig_swap is not None and not _active:
+            if "_swap_data_ptr_" in torch.UntypedStorage.__dict__:
+                del torch.UntypedStorage._swap_data_ptr_
+            _orig_swap = None
 
 
 class _Rec:

@@ -12,9 +12,10 @@ autograd] in ``_param``):
   and param-major layouts, so it gathers straight into ``unsharded_flat`` with no copy.
 
 Per-step work here is per group: one collective per direction, one fused copy-out, one
-fused reduce-scatter copy-in (``torch.cat`` into the reduce-scatter input). The loops over
-parameters that remain touch only Python attributes (registering tensors on modules,
-reading ``.grad``), never launch a kernel per parameter.
+fused reduce-scatter copy-in (``torch._chunk_cat``, or ``torch.cat`` when it must also
+cast). The loops over parameters that remain touch only Python attributes (registering
+tensors on modules, reading ``.grad``); the one per-parameter kernel left is padding an
+uneven gradient that is also cast (mixed precision with a wider ``reduce_dtype``).
 
 [Note: mixed-dtype groups]
 torch's FSDP2 requires one original dtype per group; we accept any mix (e.g. an fp32
@@ -74,6 +75,7 @@ from fsdp2._collectives import (
     reduce_scatter_flat,
     wait,
 )
+from fsdp2._host_buffers import HostBufferPool
 from fsdp2._param import ShardedParam
 from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp2._stream_utils import (
@@ -126,6 +128,7 @@ class CommContext:
         self.all_gather_release: Event = None
         self.reduces: list[ReduceInFlight] = []
         self.max_reduces_in_flight = 1
+        self.host_buffers = HostBufferPool(device)  # see [Note: host buffer pool]
 
     def release_all_gather_memory(self) -> None:
         """Called after the compute stream's last use of all-gather-stream memory."""
@@ -338,10 +341,8 @@ class ParamGroup:
                 self._alloc_unsharded()
                 output = self._unsharded_write
             else:
-                output = torch.empty(
-                    self.world_size * self.gather_numel,
-                    dtype=self.gather_dtype,
-                    device=self.device,
+                output = comm.host_buffers.empty(
+                    self.world_size * self.gather_numel, self.gather_dtype, self.device
                 )
             if post_forward:
                 ag_input, group = self._post_forward_shard, self.post_forward_group
@@ -389,6 +390,7 @@ class ParamGroup:
             torch.split_with_sizes_copy(in_flight.output.view(ranks, -1), sizes, dim=1, out=targets)
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
             comm.release_all_gather_memory()
+            comm.host_buffers.release(in_flight.output)
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
             unsharded = p.unsharded_param
@@ -424,11 +426,15 @@ class ParamGroup:
     def _alloc_unsharded(self) -> None:
         storage = self.unsharded_flat.untyped_storage()
         nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        if storage.size() < nbytes:
+            self._require_comm().host_buffers.fill(storage, nbytes)
 
     def _free_unsharded(self) -> None:
-        self.unsharded_flat.untyped_storage().resize_(0)
+        storage = self.unsharded_flat.untyped_storage()
+        if self.comm is None:  # at lazy init, before any use
+            storage.resize_(0)
+        else:
+            self.comm.host_buffers.drain(storage)
 
     # -- gradients -------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
@@ -453,18 +459,17 @@ class ParamGroup:
         grads = [p.unsharded_param.grad for p in self.params[:count]]
         ws = self.world_size
         reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params[:count])
-        pieces: list[torch.Tensor] = []
+        # ``rows``: each gradient with the sharded dim first (zeros where missing), cut
+        # into ``ws`` chunks of its padded shard, one chunk per rank's input slice.
+        rows: list[torch.Tensor] = []
         for p, grad in zip(self.params[:count], grads):
             p.unsharded_param.grad = None
             if grad is None:
                 dtype = p.unsharded_param.dtype
-                pieces.append(grad_zeros(p.padded_numel, ws, dtype, self.device))
-            elif p.is_even:
-                pieces.append(p.as_rows(grad).reshape(ws, p.padded_numel))
+                padded_rows = (ws * p.rows_per_rank, p.row_numel)
+                rows.append(grad_zeros(padded_rows, dtype, self.device))
             else:
-                padding = (ws * p.rows_per_rank - p.rows_shape[0]) * p.row_numel
-                rows = p.as_rows(grad).reshape(-1)
-                pieces.append(F.pad(rows, (0, padding)).view(ws, p.padded_numel))
+                rows.append(p.as_rows(grad))
         # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
         # the sum each rank knows how many ranks had each gradient, for free.
         has_grad = [g is not None for g in grads]
@@ -475,17 +480,16 @@ class ParamGroup:
             flags = ones
         else:
             flags = torch.tensor(has_grad, dtype=reduce_dtype, device=self.device)
-        pieces.append(flags.expand(ws, count))
+        rows.append(flags.expand(ws, count))
         numel = sum(self._reduce_sizes[:count]) + count
         comm = self._require_comm()
         compute = comm.streams.compute()
         # Bound memory before allocating: finish older reductions (freeing their inputs)
         # so that with this one at most ``max_reduces_in_flight`` are in flight.
         comm.finish_reduces(keep=comm.max_reduces_in_flight - 1)
-        # One kernel: copy, pad and cast (to reduce_dtype) every gradient at once.
-        rs_input = torch.empty(ws * numel, dtype=reduce_dtype, device=self.device)
-        torch.cat(pieces, dim=1, out=rs_input.view(ws, numel))
-        del pieces, grads  # the unsharded gradients die here, not when this returns
+        rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
+        self._copy_in_grads(rows, rs_input.view(ws, numel))
+        del rows, grads  # the unsharded gradients die here, not when this returns
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
             rs_input.div_(predivide)
@@ -495,6 +499,26 @@ class ParamGroup:
             rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
         comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad))
+
+    def _copy_in_grads(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Fill ``out`` (``ws`` rank rows of the reduce-scatter input) from ``rows`` (see
+        ``reduce_grads``) in one kernel: chunk, pad and copy every gradient at once. When
+        every gradient is already in ``out``'s dtype that kernel is ``torch._chunk_cat``,
+        which pads uneven chunks itself; otherwise one ``torch.cat`` also casts, after
+        padding uneven gradients (one extra copy each) to whole chunks."""
+        ws = self.world_size
+        if _chunk_cat is not None and all(t.dtype == out.dtype for t in rows):
+            _chunk_cat(rows, dim=0, num_chunks=ws, out=out)
+            return
+        chunks: list[torch.Tensor] = []
+        for p, t in zip(self.params, rows[:-1]):
+            if t.shape[0] == ws * p.rows_per_rank:
+                chunks.append(t.reshape(ws, -1))  # even: a view
+            else:
+                padding = (ws * p.rows_per_rank - t.shape[0]) * p.row_numel
+                chunks.append(F.pad(t.reshape(-1), (0, padding)).view(ws, -1))
+        chunks.append(rows[-1])
+        torch.cat(chunks, dim=1, out=out)
 
     def finish_reduce(self, in_flight: ReduceInFlight) -> None:
         """Wait for a reduce-scatter, scale it, and store the gradient shards as DTensors
@@ -615,14 +639,17 @@ class ParamGroup:
         return self.comm
 
 
+# One aten kernel that chunks, pads and concatenates (what the reduce-scatter copy-in needs);
+# torch's own FSDP uses it. Private in name, so looked up with a fallback.
+_chunk_cat: Callable[..., torch.Tensor] | None = getattr(torch, "_chunk_cat", None)
+
+
 def promote_dtypes(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The dtype every given dtype converts to without loss (fp32 for bf16 and fp32)."""
     return functools.reduce(torch.promote_types, dtypes)
 
 
-def grad_zeros(
-    numel: int, world_size: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A zero (world_size, numel) block for a parameter without a local gradient; expanded
-    from one element, so it allocates nothing (``torch.cat`` reads it as zeros)."""
-    return torch.zeros(1, dtype=dtype, device=device).expand(world_size, numel)
+def grad_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for a missing gradient; expanded from one element, so they
+    allocate nothing (the copy-in reads them as zeros)."""
+    return torch.zeros(1, dtype=dtype, device=device).expand(shape)

@@ -206,6 +206,7 @@ class FSDPState:
         for state in tree.states:
             state._forward_positions.clear()
         comm = tree.comm
+        comm.host_buffers.max_buffers = 2  # see [Note: host buffer pool]
         if self.post_optim_event is not None:
             wait_event(comm.streams.all_gather, self.post_optim_event)
             self.post_optim_event = None
@@ -227,6 +228,9 @@ class FSDPState:
         if group is not None and (self.reshard_after_forward or not grad_enabled):
             # Without grad no backward will need the parameters: free them entirely.
             group.reshard(post_forward=grad_enabled)
+        if self.is_root:  # backward starts with an empty pool: [Note: host buffer pool]
+            tree.comm.host_buffers.clear()
+            tree.comm.host_buffers.max_buffers = 1
         self.training_state = TrainingState.IDLE
         if grad_enabled:
             output = self._attach_pre_backward(output)
@@ -272,6 +276,9 @@ class FSDPState:
             group.unshard()
             group.wait_for_unshard()
         self._prefetch_for_backward()
+        # A buffer the prefetch did not take would sit idle through this block's
+        # backward, where memory peaks: see [Note: host buffer pool].
+        tree.comm.host_buffers.clear()
 
     def _prefetch_for_backward(self) -> None:
         tree = self.tree
@@ -333,6 +340,7 @@ class FSDPState:
             tree.comm.finish_reduces(keep=0)
             streams = tree.comm.streams
             wait_stream(streams.compute(), streams.reduce_scatter)
+        tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
@@ -353,6 +361,7 @@ class FSDPState:
                     if p.unsharded_param is not None:
                         p.unsharded_param.grad = None
         tree.comm.finish_reduces(keep=0)
+        tree.comm.host_buffers.clear()
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
