@@ -186,11 +186,6 @@ class ShardedParam:
         return self.local_rows * self.row_numel
 
     @property
-    def is_even(self) -> bool:
-        """True when the sharded dim divides evenly, so the gradient needs no padding."""
-        return self.rows_per_rank * self.world_size == self.rows_shape[0]
-
-    @property
     def requires_grad(self) -> bool:
         return self.sharded_param.requires_grad
 
