@@ -14,21 +14,13 @@ import torch
 from torch import nn
 
 from benchmarks.configs import BenchConfig
-from benchmarks.memory import local_tensors
+from benchmarks.memory import distinct_nbytes
 
 PLAIN = "plain"
 
 
 def sum_local(ts: list[torch.Tensor]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for t in ts:
-        for lt in local_tensors(t):
-            st = lt.untyped_storage()
-            if st._cdata not in seen:
-                seen.add(st._cdata)
-                total += st.nbytes()
-    return total
+    return distinct_nbytes(ts)
 
 
 def lower_bound(cfg: BenchConfig, template: nn.Module, world: int, act_bytes: int) -> dict:

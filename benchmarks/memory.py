@@ -15,7 +15,9 @@
   op the storages of its arguments are re-measured (``aten.resize_``, ``aten.set_``...).
   Tensor subclasses (DTensor) are flattened to their inner local tensors, so sizes are local.
   Tensors that exist before the step (parameters, gradients, optimizer state, buffers) are
-  registered explicitly by :meth:`StepProbe.register`.
+  registered explicitly by :meth:`StepProbe.register`. A registered storage whose bytes lie
+  inside another registered storage (fsdp2's shards are DLPack aliases of slots of one flat
+  buffer, each a storage of its own) counts as that outer storage, not twice.
 
 * **Copy bytes.** Bytes written by copy-like ops (see :data:`COPY_OP_NAMES`): for ops with
   mutated arguments (``copy_``, ``_foreach_copy_``, ``split_with_sizes_copy.out``,
@@ -104,6 +106,42 @@ def local_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
                 yield from local_tensors(inner)
     else:
         yield t
+
+
+def outer_storages(
+    storages: Iterable[torch.UntypedStorage],
+) -> dict[int, torch.UntypedStorage]:
+    """Map every storage (by ``_cdata``) whose bytes lie inside another storage of
+    ``storages`` to the outermost such storage. Storages that alias memory without sharing a
+    ``StorageImpl`` (DLPack aliases of slices of one buffer) would otherwise count twice."""
+    spans = []
+    for st in storages:
+        n = st.nbytes()
+        if n:
+            ptr = st.data_ptr()
+            spans.append((str(st.device), ptr, -(ptr + n), st))
+    spans.sort(key=lambda x: x[:3])
+    out: dict[int, torch.UntypedStorage] = {}
+    outer: tuple[str, int, int, torch.UntypedStorage] | None = None
+    for device, ptr, neg_end, st in spans:
+        if outer is not None and device == outer[0] and -neg_end <= -outer[2]:
+            if st._cdata != outer[3]._cdata:
+                out[st._cdata] = outer[3]
+        else:
+            outer = (device, ptr, neg_end, st)
+    return out
+
+
+def distinct_nbytes(ts: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct memory behind ``ts`` (local tensors of subclasses; a storage
+    inside another counts once, see :func:`outer_storages`)."""
+    storages = {}
+    for t in ts:
+        for lt in local_tensors(t):
+            st = lt.untyped_storage()
+            storages[st._cdata] = st
+    inner = outer_storages(storages.values())
+    return sum(st.nbytes() for key, st in storages.items() if key not in inner)
 
 
 def local_nbytes(t: torch.Tensor) -> int:
@@ -296,6 +334,9 @@ class StepProbe(TorchDispatchMode):
         self._coll_out: dict[int, tuple[Any, str]] = {}  # storage -> (weakref, collective kind)
         self._flags_by_uid: dict[int, set[str]] = {}
         self._origin_by_uid: dict[int, str] = {}
+        # Registered storages inside another registered storage -> that storage.
+        self._registered: dict[int, torch.UntypedStorage] = {}
+        self._outer: dict[int, torch.UntypedStorage] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> StepProbe:
@@ -320,6 +361,8 @@ class StepProbe(TorchDispatchMode):
         self._live.clear()
         self._pending_copy.clear()
         self._coll_out.clear()
+        self._registered.clear()
+        self._outer.clear()
 
     # ------------------------------------------------------------------ registration
     def register(self, tensors: Iterable[torch.Tensor], persistent: bool = True) -> None:
@@ -328,16 +371,28 @@ class StepProbe(TorchDispatchMode):
             for lt in local_tensors(t):
                 st = _storage_of(lt)
                 if st is not None:
+                    self._registered[st._cdata] = st
                     self._track(st, origin="pre", persistent=persistent)
+        self._merge_inner_storages()
         self.start_bytes = self.total
         self.peak = max(self.peak, self.total)
         self._snapshot_due = True
+
+    def _merge_inner_storages(self) -> None:
+        """Count each registered storage lying inside another as that outer storage."""
+        for key, outer in outer_storages(self._registered.values()).items():
+            self._outer[key] = outer
+            rec = self._live.pop(key, None)
+            if rec is not None and rec.nbytes:
+                self._grow(-rec.nbytes, rec.persistent)
+            self._track(outer, origin="pre", persistent=bool(rec and rec.persistent))
 
     def uid_of(self, t: torch.Tensor) -> list[int]:
         out = []
         for lt in local_tensors(t):
             st = _storage_of(lt)
             if st is not None:
+                st = self._outer.get(st._cdata, st)
                 rec = self._live.get(st._cdata)
                 if rec is not None:
                     out.append(rec.uid)
@@ -370,6 +425,7 @@ class StepProbe(TorchDispatchMode):
     def _track(
         self, st: torch.UntypedStorage, origin: str | None, persistent: bool = False
     ) -> _Rec:
+        st = self._outer.get(st._cdata, st)
         key = st._cdata
         n = st.nbytes()
         rec = self._live.get(key)

@@ -10,9 +10,9 @@ the slot are the real shard, exactly the rows ``torch.chunk`` / ``distribute_ten
 this rank; the rest is padding (zeros, never read as data). Because every rank's slots have
 the same sizes, the buffer is the all-gather input as is, and the all-gather output is
 rank-major: ``output.view(world_size, S)[r, offset_i:...]`` is rank ``r``'s padded shard of
-parameter ``i``. The sharded ``DTensor`` parameter's local tensor is a view into the
+parameter ``i``. The sharded ``DTensor`` parameter's local tensor aliases its slot of the
 buffer, so optimizer steps and ``load_state_dict`` (both in place) update the all-gather
-input directly.
+input directly. The alias starts at storage offset 0; see [Note: shard aliases at offset 0].
 
 A group whose parameters have different dtypes (and no ``param_dtype`` to unify them)
 keeps a ``uint8`` flat buffer instead: slots are byte ranges, ordered by decreasing
@@ -32,6 +32,18 @@ the pre-backward all-gather has refilled the storage. The refill must not look l
 in-place edit to autograd, which would reject the saved tensors; it therefore writes
 through an alias made with ``.data``, which shares the storage but has its own version
 counter.
+
+[Note: shard aliases at offset 0]
+A ``DTensor`` wrapper copies its local tensor's storage offset, so a local tensor that is a
+plain view into the flat buffer at a nonzero offset gives the wrapper (and every ``DTensor``
+derived from it: ``detach()``, ``state_dict()`` entries) a nonzero ``data_ptr()``. torch's
+``Tensor.__deepcopy__`` and ``torch.save`` tell wrapper subclasses apart by a zero
+``data_ptr()``; they would otherwise try to read the wrapper's (nonexistent) storage and
+fail. ``copy.deepcopy(model.state_dict())`` and ``torch.save(model.state_dict())`` must work,
+so each local tensor is a DLPack alias of its slot: the same memory, a storage of its own
+that starts at the slot (offset 0) and keeps the flat buffer alive. The flat shard buffer is
+never resized or swapped, so the alias stays valid for the buffer's lifetime; tensors on the
+meta device have no memory and stay plain views.
 """
 
 from __future__ import annotations
@@ -58,6 +70,16 @@ def typed_slice(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) 
     if flat.dtype == dtype:
         return flat[start : start + numel]
     return flat[start : start + numel * dtype.itemsize // flat.element_size()].view(dtype)
+
+
+def alias_at_offset_zero(view: torch.Tensor) -> torch.Tensor:
+    """The memory of ``view`` as a tensor whose storage starts at its first element (same
+    shape and strides); see [Note: shard aliases at offset 0]."""
+    if view.storage_offset() == 0 or view.device.type == "meta":
+        return view
+    if view.numel() == 0:  # no memory to share: an empty tensor of the same layout
+        return torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device)
+    return torch.from_dlpack(view)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -195,6 +217,10 @@ class ShardedParam:
         flat = typed_slice(flat_shard, self.shard_offset, self.local_numel, self.dtype)
         return self._shaped(flat)
 
+    def local_alias(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """``local_view`` at storage offset 0: the sharded ``DTensor``'s local tensor."""
+        return alias_at_offset_zero(self.local_view(flat_shard))
+
     def shard_slot(self, flat_shard: torch.Tensor) -> torch.Tensor:
         """The whole padded slot (real rows and padding) as a 1-D ``self.dtype`` view."""
         return typed_slice(flat_shard, self.shard_offset, self.padded_numel, self.dtype)
@@ -220,7 +246,7 @@ class ShardedParam:
         self, full: torch.Tensor, flat_shard: torch.Tensor, requires_grad: bool
     ) -> None:
         """Copy this rank's rows of ``full`` into the flat buffer and create the DTensor."""
-        local = self.local_view(flat_shard)
+        local = self.local_alias(flat_shard)
         if full.device.type != "meta" and self.local_rows > 0:
             with torch.no_grad():
                 local.copy_(full.narrow(self.shard_dim, self.first_row, self.local_rows))
@@ -265,7 +291,7 @@ class ShardedParam:
         internals.
         """
         local = self.local_tensor()
-        view = self.local_view(flat_shard)
+        view = self.local_alias(flat_shard)
         if local.device.type != "meta" and self.local_rows > 0:
             with torch.no_grad():
                 view.copy_(local)

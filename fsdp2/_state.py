@@ -32,6 +32,22 @@ from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2._stream_utils import wait_event, wait_stream
 
 
+def _run_eagerly(fn: Any) -> Any:
+    """Keep ``fn`` (a hook) out of ``torch.compile``: called from compiled code, it breaks the
+    graph and runs eagerly, callees included.
+
+    Why: the hooks resize storages and copy into aliased views of one buffer, which dynamo
+    and AOTAutograd cannot trace, so compiling a sharded block would fail; torch's
+    ``fully_shard`` keeps its hooks out of the graph the same way. ``torch._disable_dynamo``
+    imports dynamo on the first call instead of at our import (about 0.9 s); the public
+    ``torch.compiler.disable`` is the fallback where it is missing.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is not None:
+        return lazy(fn, recursive=True)
+    return torch.compiler.disable(fn, recursive=True)
+
+
 class TrainingState(Enum):
     IDLE = auto()
     FORWARD = auto()
@@ -143,6 +159,7 @@ class FSDPState:
         return self.tree is not None and self.tree.root is self
 
     # -- forward -------------------------------------------------------------------------
+    @_run_eagerly
     def _pre_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -152,6 +169,7 @@ class FSDPState:
             self._modules_to_run = {id(m) for m in self.modules}
         return self.pre_forward(args, kwargs)
 
+    @_run_eagerly
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         if len(self.modules) > 1:
             self._modules_to_run.discard(id(module))
@@ -262,6 +280,7 @@ class FSDPState:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return output
 
+    @_run_eagerly
     def _pre_backward(self, *_: Any) -> None:
         tree = self.tree
         if tree is None:
@@ -321,6 +340,7 @@ class FSDPState:
                 group.reduce_grads()
         self.training_state = TrainingState.IDLE
 
+    @_run_eagerly
     def _finish_backward(self) -> None:
         """Final callback of backward, queued on the root's tree by the first pre-backward."""
         tree = self.tree

@@ -84,6 +84,32 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)`` addresses of the storage behind ``t`` (a DTensor: its local tensor)."""
+    if is_dtensor(t):
+        t = t.to_local()
+    st = t.untyped_storage()
+    return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+
+def memory_regions(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """The outermost storage spans behind ``tensors``: one per buffer, however many tensors
+    live in it (fsdp2's local shards are offset-0 aliases of slots of one flat buffer, so
+    they have storages of their own that lie inside the buffer's)."""
+    spans = sorted({memory_span(t) for t in tensors}, key=lambda s: (s[0], -s[1]))
+    spans = [(start, end) for start, end in spans if end > start]
+    regions: list[tuple[int, int]] = []
+    for start, end in spans:
+        if regions and start >= regions[-1][0] and end <= regions[-1][1]:
+            continue
+        regions.append((start, end))
+    return regions
+
+
+def lies_inside(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    return any(start <= span[0] and span[1] <= end for start, end in spans)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """Unsharded value of a (possibly DTensor) tensor. Collective for DTensors."""
     if is_dtensor(t):

@@ -442,6 +442,53 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path) -> None:
         assert rep["loaded_3"] == 3
 
 
+# ------------------------------------------------- copying and pickling state dicts
+
+
+def rank_copy_and_save_state_dict(impl: str) -> dict:
+    """What users do to snapshot weights: deepcopy or torch.save the sharded state dict."""
+    import copy
+    import io
+
+    model = _sharded(impl)
+    opt = make_optimizer(model, LR)
+    _train(model, opt, range(1))
+    msd = model.state_dict()
+    local = {k: v.to_local().clone() for k, v in msd.items()}
+    copied = copy.deepcopy(msd)
+    buffer = io.BytesIO()
+    torch.save({"model": msd, "optim": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)["model"]
+    param = next(iter(model.parameters()))
+    return {
+        "copied_unequal": [k for k, v in copied.items() if not torch.equal(v.to_local(), local[k])],
+        "copied_is_dtensor": all(isinstance(v, DTensor) for v in copied.values()),
+        "loaded_unequal": [k for k, v in loaded.items() if not torch.equal(v.to_local(), local[k])],
+        "loaded_placements": sorted({str(v.placements) for v in loaded.values()}),
+        "param_copy_equal": torch.equal(copy.deepcopy(param).to_local(), param.to_local()),
+        # Copies are independent of the live parameters.
+        "copy_detached": all(
+            v.to_local().data_ptr() != p.to_local().data_ptr()
+            for v, p in zip(copied.values(), model.parameters())
+            if p.to_local().numel()
+        ),
+    }
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_state_dict_deepcopy_and_torch_save(impl: str) -> None:
+    """Fails with shard views at a nonzero storage offset (see [Note: shard aliases at
+    offset 0]): deepcopy and torch.save then read the DTensor wrapper's storage."""
+    require_impl(impl)
+    for rank, rep in enumerate(run_ranks(rank_copy_and_save_state_dict, 2, impl)):
+        assert rep["copied_unequal"] == [], (rank, rep["copied_unequal"])
+        assert rep["copied_is_dtensor"], rank
+        assert rep["loaded_unequal"] == [], (rank, rep["loaded_unequal"])
+        assert rep["loaded_placements"] == ["(Shard(dim=0),)"], rep["loaded_placements"]
+        assert rep["param_copy_equal"] and rep["copy_detached"], rep
+
+
 # ------------------------------------------------------------- full state dicts
 
 

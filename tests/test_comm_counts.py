@@ -34,6 +34,8 @@ from _helpers import (
     make_global_batch,
     make_mesh,
     make_optimizer,
+    memory_regions,
+    memory_span,
     require_impl,
 )
 from _launcher import run_ranks
@@ -48,8 +50,8 @@ class _Recorder:
         self.phase = "setup"
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.raw: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        # (phase, storage data_ptr, numel) of every all-gather input
-        self.ag_inputs: list[tuple[str, int, int]] = []
+        # (phase, storage span, numel) of every all-gather input
+        self.ag_inputs: list[tuple[str, tuple[int, int], int]] = []
 
     def wrap(self, name: str, kind: str, fn):
         def wrapper(*args, **kwargs):
@@ -60,9 +62,7 @@ class _Recorder:
                 if inp is None:
                     inp = kwargs.get("input")
                 if inp is not None:
-                    self.ag_inputs.append(
-                        (self.phase, inp.untyped_storage().data_ptr(), inp.numel())
-                    )
+                    self.ag_inputs.append((self.phase, memory_span(inp), inp.numel()))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -188,15 +188,11 @@ def all_gather_input_storage(impl: str, n_layers: int) -> dict:
             opt.zero_grad()
     finally:
         _restore(originals)
-    ag_ptrs = {ptr for phase, ptr, _ in rec.ag_inputs if phase == "step1"}
+    ag_spans = {span for phase, span, _ in rec.ag_inputs if phase == "step1"}
     groups = {}
     for gname, params in fsdp_groups(model, impl).items():
-        groups[gname or "<root>"] = {
-            pname: p.to_local().untyped_storage().data_ptr()
-            for pname, p in params
-            if p.to_local().numel() > 0
-        }
-    return {"ag_ptrs": sorted(ag_ptrs), "groups": groups, "n_all_gathers": len(rec.ag_inputs)}
+        groups[gname or "<root>"] = memory_regions([p for _, p in params])
+    return {"ag_spans": sorted(ag_spans), "groups": groups, "n_all_gathers": len(rec.ag_inputs)}
 
 
 def test_all_gather_input_is_flat_shard_view() -> None:
@@ -207,16 +203,16 @@ def test_all_gather_input_is_flat_shard_view() -> None:
     for rank, res in enumerate(results):
         assert res["n_all_gathers"] > 0, f"rank {rank}: no all-gather was intercepted"
         assert len(res["groups"]) == L + 1, f"rank {rank}: groups {list(res['groups'])}"
-        for gname, ptrs in res["groups"].items():
-            assert ptrs, f"rank {rank}: group {gname} has no parameters"
-            distinct = set(ptrs.values())
-            assert len(distinct) == 1, (
+        ag_spans = [tuple(span) for span in res["ag_spans"]]
+        for gname, regions in res["groups"].items():
+            assert regions, f"rank {rank}: group {gname} has no parameters"
+            assert len(regions) == 1, (
                 f"rank {rank}: group {gname}: parameters' local shards live in "
-                f"{len(distinct)} different storages (expected one flat shard buffer): {ptrs}"
+                f"{len(regions)} separate buffers (expected one flat shard buffer): {regions}"
             )
-            (ptr,) = distinct
-            assert ptr in res["ag_ptrs"], (
-                f"rank {rank}: group {gname}: its flat shard storage {ptr:#x} was not the "
+            span = tuple(regions[0])
+            assert span in ag_spans, (
+                f"rank {rank}: group {gname}: its flat shard buffer {span[0]:#x} was not the "
                 f"input of any all-gather in the step (inputs: "
-                f"{[hex(p) for p in res['ag_ptrs']]}): the all-gather copies in"
+                f"{[hex(s[0]) for s in ag_spans]}): the all-gather copies in"
             )

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import fsdp_groups, make_mesh, make_optimizer
+from _helpers import fsdp_groups, make_mesh, make_optimizer, memory_regions
 from _launcher import run_ranks
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -35,13 +35,24 @@ SEED = 1234
 class LiveTensorBytes(TorchDispatchMode):
     """Counts the bytes of live storages produced by any op run under it (the local
     tensors of DTensor outputs included); ``peak`` is the maximum of their sum, checked
-    after every op, and ``largest`` the largest single storage."""
+    after every op, and ``largest`` the largest single storage. A storage lying inside
+    another (fsdp2's shard aliases of its flat buffer) is not counted again."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live: dict[int, tuple[StorageWeakRef, int, int]] = {}
         self.peak = 0
         self.largest = 0
+
+    def live_bytes(self) -> int:
+        spans = sorted((ptr, -(ptr + n)) for _, n, ptr in self.live.values() if n)
+        total, end = 0, -1
+        for ptr, neg_end in spans:
+            if -neg_end <= end:
+                continue  # inside the previous outer storage
+            total += -neg_end - ptr
+            end = -neg_end
+        return total
 
     def _track(self, t: torch.Tensor) -> None:
         if is_traceable_wrapper_subclass(t):
@@ -56,8 +67,9 @@ class LiveTensorBytes(TorchDispatchMode):
         storage = t.untyped_storage()
         entry = self.live.get(storage._cdata)
         if entry is None or entry[0].expired() or entry[1] != storage.nbytes():
-            self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-            self.largest = max(self.largest, storage.nbytes())
+            nbytes = storage.nbytes()
+            self.live[storage._cdata] = (StorageWeakRef(storage), nbytes, storage.data_ptr())
+            self.largest = max(self.largest, nbytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -65,7 +77,7 @@ class LiveTensorBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._track(t)
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        self.peak = max(self.peak, self.live_bytes())
         return out
 
 
@@ -102,7 +114,7 @@ def _reference(args: ModelArgs, mode: str) -> Transformer:
 def _storages_per_group(model: nn.Module) -> list[int]:
     """Distinct local storages per FSDP group: 1 each when the shards view one buffer."""
     return [
-        len({p.to_local().untyped_storage().data_ptr() for _, p in params if p.numel()})
+        len(memory_regions([p for _, p in params]))
         for params in fsdp_groups(model, "fsdp2").values()
         if params
     ]
