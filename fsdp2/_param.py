@@ -79,7 +79,18 @@ def alias_at_offset_zero(view: torch.Tensor) -> torch.Tensor:
         return view
     if view.numel() == 0:  # no memory to share: an empty tensor of the same layout
         return torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device)
-    return torch.from_dlpack(view)
+    try:
+        alias = torch.from_dlpack(view)
+    except (RuntimeError, TypeError, ValueError, BufferError):  # a layout DLPack cannot carry
+        return view
+    same = (alias.device, alias.dtype, alias.shape, alias.stride(), alias.data_ptr()) == (
+        view.device,
+        view.dtype,
+        view.shape,
+        view.stride(),
+        view.data_ptr(),
+    )
+    return alias if same else view
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
