@@ -113,6 +113,20 @@ class FSDPState:
                 )
             )
             self._hook_handles.append(module.register_forward_hook(self._post_forward_hook))
+        if group is not None:
+            # state_dict()/load_state_dict() must see (and load into) the sharded DTensors,
+            # even right after a forward that kept the parameters unsharded.
+            owners = {id(m): m for p in group.params for m, _ in p.uses}
+            for owner in owners.values():
+                self._hook_handles += [
+                    owner.register_state_dict_pre_hook(self._reshard_for_state_dict),
+                    owner.register_load_state_dict_pre_hook(self._reshard_for_state_dict),
+                ]
+
+    def _reshard_for_state_dict(self, *_: Any) -> None:
+        group = self.group
+        if group is not None and (group.is_unsharded or group.unshard_pending):
+            group.reshard()
 
     # -- naming --------------------------------------------------------------------------
     @property
@@ -159,23 +173,65 @@ class FSDPState:
         return self.tree is not None and self.tree.root is self
 
     # -- forward -------------------------------------------------------------------------
+    # A group of several modules (``fully_shard([a, b])``) runs its pre-forward (root set-up,
+    # unshard, prefetch, forward order) when the first of them starts and its post-forward
+    # (reshard, pre-backward trigger) when the last of them finishes. Every module call
+    # still casts its inputs and outputs and registers its own backward trigger, so the
+    # gradients reduce once all calls' backward ran. A module that does not run in a
+    # forward (a loss head called later, chunk by chunk) leaves the group incomplete; the
+    # root's post-forward completes it (see ``_complete_partial_forward``).
     @_run_eagerly
     def _pre_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if len(self.modules) > 1:
+        if len(self.modules) > 1 and not (self.tree is not None and self.tree.in_backward):
             if self._modules_to_run:  # another module of this group already started it
-                return args, kwargs
+                return self._pre_forward_again(args, kwargs)
             self._modules_to_run = {id(m) for m in self.modules}
         return self.pre_forward(args, kwargs)
 
     @_run_eagerly
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if len(self.modules) > 1:
+        if len(self.modules) > 1 and not (self.tree is not None and self.tree.in_backward):
+            if id(module) not in self._modules_to_run:  # a repeated call in this pass
+                return self._cast_output(output)
             self._modules_to_run.discard(id(module))
             if self._modules_to_run:
-                return output
+                return self._cast_output(output)
         return self.post_forward(output)
+
+    def _pre_forward_again(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Another module of a group that already started this forward."""
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+        group = self.group
+        if group is not None and not group.is_unsharded:
+            group.unshard()
+            group.wait_for_unshard()
+        if torch.is_grad_enabled():
+            self._pending_backward_calls += 1
+            args, kwargs = self._attach_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _complete_partial_forward(self, output: Any) -> Any:
+        """Finish the forward of a group some of whose modules did not run, from the root's
+        post-forward: reshard as the last module would have, and trigger the pre-backward
+        unshard from the root's output."""
+        self._modules_to_run.clear()
+        group = self.group
+        grad_enabled = torch.is_grad_enabled()
+        if group is not None and (self.reshard_after_forward or not grad_enabled):
+            group.reshard(post_forward=grad_enabled)
+        self.training_state = TrainingState.IDLE
+        return self._attach_pre_backward(output) if grad_enabled else output
 
     def pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -223,6 +279,8 @@ class FSDPState:
         tree.forward_order.clear()
         for state in tree.states:
             state._forward_positions.clear()
+            if state is not self:  # groups left incomplete by calls outside a forward
+                state._modules_to_run.clear()
         comm = tree.comm
         comm.host_buffers.max_buffers = 2  # see [Note: host buffer pool]
         if self.post_optim_event is not None:
@@ -243,6 +301,10 @@ class FSDPState:
             return output
         group = self.group
         grad_enabled = torch.is_grad_enabled()
+        if self.is_root:
+            for state in reversed(tree.states):
+                if state is not self and state._modules_to_run:
+                    output = state._complete_partial_forward(output)
         if group is not None and (self.reshard_after_forward or not grad_enabled):
             # Without grad no backward will need the parameters: free them entirely.
             group.reshard(post_forward=grad_enabled)
@@ -252,9 +314,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         if grad_enabled:
             output = self._attach_pre_backward(output)
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
-        return output
+        return self._cast_output(output)
 
     # -- backward triggers ---------------------------------------------------------------
     def _attach_post_backward(
@@ -356,6 +416,7 @@ class FSDPState:
                 state.post_backward()
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
+            state._modules_to_run.clear()
         if self.is_last_backward:
             tree.comm.finish_reduces(keep=0)
             streams = tree.comm.streams

@@ -41,6 +41,7 @@ from _helpers import (
     ParityCase,
     build_model,
     fsdp_groups,
+    get_fully_shard,
     make_mesh,
     make_optimizer,
     require_impl,
@@ -487,6 +488,34 @@ def test_state_dict_deepcopy_and_torch_save(impl: str) -> None:
         assert rep["loaded_unequal"] == [], (rank, rep["loaded_unequal"])
         assert rep["loaded_placements"] == ["(Shard(dim=0),)"], rep["loaded_placements"]
         assert rep["param_copy_equal"] and rep["copy_detached"], rep
+
+
+def rank_state_dict_after_forward(impl: str, reshard_after_forward: bool | None) -> dict:
+    """A forward that keeps parameters unsharded (no reshard, or the root by default), then
+    state_dict() / load_state_dict(), as after a validation step with grad enabled."""
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0], reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    x = torch.randn(2, 4)
+    model(x)
+    msd = model.state_dict()
+    kinds = sorted({type(v).__name__ for v in msd.values()})
+    model(x)
+    zeros = {k: torch.zeros_like(v) for k, v in msd.items()}
+    model.load_state_dict(zeros)
+    with torch.no_grad():
+        out = model(x)
+    return {"kinds": kinds, "loaded_zeros": bool((out == 0).all())}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [False, None], ids=["keep", "default"])
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_state_dict_after_forward_is_sharded(impl: str, reshard_after_forward: bool | None) -> None:
+    require_impl(impl)
+    for rep in run_ranks(rank_state_dict_after_forward, 2, impl, reshard_after_forward):
+        assert rep == {"kinds": ["DTensor"], "loaded_zeros": True}, rep
 
 
 # ------------------------------------------------------------- full state dicts

@@ -1,0 +1,137 @@
+"""One group for several modules, ``fully_shard([a, b])``: every module call casts its inputs
+and registers its own backward trigger, the group unshards when the first starts and
+reshards when the last finishes, and a group whose modules did not all run in a forward (a
+loss head called later, chunk by chunk) is completed by the root's post-forward. Each case
+is checked against a non-sharded copy trained on the same global batch."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from _helpers import get_fully_shard, require_impl
+from _launcher import run_ranks
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+DIM = 8
+ROWS = 2  # per rank
+TOL = 1e-5
+
+
+class ChunkedHead(nn.Module):
+    """A body, then a norm and an output head; ``skip_head`` returns the normalized hidden
+    state so the loss can apply the head chunk by chunk (the chunked-loss pattern)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, 16, bias=False)
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(x))
+        return h if skip_head else self.head(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.checkpointed:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+            x = torch.tanh(x)
+        return x
+
+
+def _chunked_loss(model: nn.Module, x: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    h = model(x, skip_head=True)
+    return sum(head(chunk).pow(2).sum() for chunk in h.chunk(2, dim=0))
+
+
+def _max_param_diff(model: nn.Module, ref: nn.Module) -> float:
+    return max(
+        (p.full_tensor() - q).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+
+
+def rank_module_group(impl: str, case: str, reshard_after_forward: bool) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    ref = ChunkedHead() if case == "chunked_head" else Stack(checkpointed=case == "checkpointed")
+    model = copy.deepcopy(ref)
+    if case == "chunked_head":
+        fully_shard([model.norm, model.head], reshard_after_forward=reshard_after_forward)
+    else:
+        fully_shard([model.layers[1], model.layers[2]], reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(ws * ROWS, DIM, generator=gen)
+        local = x[rank * ROWS : (rank + 1) * ROWS]
+        if case == "chunked_head":
+            _chunked_loss(model, local, model.head).backward()
+            (_chunked_loss(ref, x, ref.head) / ws).backward()
+        else:
+            model(local).pow(2).sum().backward()
+            (ref(x).pow(2).sum() / ws).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"max_diff": _max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+@pytest.mark.parametrize("case", ["chunked_head", "in_sequence", "checkpointed"])
+def test_module_group_matches_non_sharded(case: str, reshard_after_forward: bool) -> None:
+    """chunked_head: the group's head is skipped by the forward and called per chunk (it
+    crashed in autograd, reading freed parameter memory, before the root completed partial
+    groups); checkpointed: recomputation of a group's second module inside backward."""
+    require_impl("fsdp2")
+    for rank, rep in enumerate(
+        run_ranks(rank_module_group, 2, "fsdp2", case, reshard_after_forward)
+    ):
+        assert rep["max_diff"] <= TOL, (rank, case, rep)
+
+
+def rank_group_casts_every_module(impl: str) -> dict:
+    fully_shard = get_fully_shard(impl)
+    package = importlib.import_module("fsdp2" if impl == "fsdp2" else "torch.distributed.fsdp")
+    policy = package.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+
+    class TwoLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(DIM, DIM, bias=False)
+            self.b = nn.Linear(DIM, DIM, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).float())  # b receives fp32 input: its own hook casts it
+
+    torch.manual_seed(0)
+    model = TwoLinear()
+    fully_shard([model.a, model.b], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    out = model(torch.randn(ROWS, DIM))
+    out.float().sum().backward()
+    return {"dtype": str(out.dtype), "grad_dtype": str(model.b.weight.grad.dtype)}
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_group_casts_inputs_of_every_module(impl: str) -> None:
+    require_impl(impl)
+    for rep in run_ranks(rank_group_casts_every_module, 2, impl):
+        assert rep == {"dtype": "torch.bfloat16", "grad_dtype": "torch.float32"}, rep
