@@ -334,6 +334,9 @@ class ParamGroup:
         comm = self._require_comm()
         stream = comm.streams.all_gather
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        if self.world_size == 1 and not post_forward:
+            self._unshard_alone(comm, stream)
+            return
         with use_stream(stream):
             # Memory released by the compute stream may be reused only after it is done.
             wait_event(stream, comm.all_gather_release)
@@ -352,6 +355,27 @@ class ParamGroup:
                 group = self.process_group
             pending = all_gather_flat(output, ag_input, group, stream)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward)
+
+    def _unshard_alone(self, comm: CommContext, stream: Stream) -> None:
+        """A shard group of one rank holds whole parameters: no collective (torch issues
+        none either). The flat shard is the copy-out source as is; a cast or host-to-device
+        copy still runs, on the all-gather stream as it would for a collective."""
+        with use_stream(stream):
+            wait_event(stream, comm.all_gather_release)
+            flat = self.flat_shard
+            if self._gather_in_place:
+                self._alloc_unsharded()
+                output = self._unsharded_write
+                source = self._all_gather_input(output)
+                if source.data_ptr() != output.data_ptr():
+                    output.copy_(source, non_blocking=True)
+            elif flat.dtype == self.gather_dtype and flat.device == self.device:
+                output = source = flat  # read by the copy-out; never returned to the pool
+            else:
+                output = comm.host_buffers.empty(self.gather_numel, self.gather_dtype, self.device)
+                source = self._all_gather_input(output)
+            done = PendingCollective(None, record_event(stream))
+        self._all_gather = AllGatherInFlight(source, output, done, False)
 
     def _all_gather_input(self, output: torch.Tensor) -> torch.Tensor:
         """The flat shard itself when it is already in the gathered dtype and on the
@@ -390,7 +414,8 @@ class ParamGroup:
             torch.split_with_sizes_copy(in_flight.output.view(ranks, -1), sizes, dim=1, out=targets)
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
             comm.release_all_gather_memory()
-            comm.host_buffers.release(in_flight.output)
+            if in_flight.output is not self.flat_shard:  # one rank: the shard was the source
+                comm.host_buffers.release(in_flight.output)
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
             unsharded = p.unsharded_param
@@ -495,6 +520,10 @@ class ParamGroup:
             rs_input.div_(predivide)
         stream = comm.streams.reduce_scatter
         wait_stream(stream, compute)  # the gradients were produced on the compute stream
+        if ws == 1:  # one rank: the input is the reduced shard (torch issues no collective)
+            done = PendingCollective(None, record_event(stream))
+            comm.reduces.append(ReduceInFlight(self, rs_input, rs_input, done, has_grad))
+            return
         with use_stream(stream):
             rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)

@@ -166,6 +166,18 @@ def test_collectives_per_step(impl: str, variant: str) -> None:
             assert not optim, f"{where}step {step}: collectives in the optimizer step"
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_rank_issues_no_collectives(impl: str) -> None:
+    """A shard group of one rank holds whole parameters: no all-gather, no reduce-scatter
+    (torch issues none either). Parity with the non-sharded model is in test_parity."""
+    require_impl(impl)
+    (result,) = run_ranks(count_step_collectives, 1, impl, L, None, None)
+    totals = collections.Counter()
+    for phase in result["counts"].values():
+        totals.update(phase)
+    assert not totals, f"[{impl}] collectives at world size 1:\n{_table(result)}"
+
+
 # ------------------------------------------------------------------ zero-copy all-gather
 
 
