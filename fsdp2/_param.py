@@ -184,7 +184,9 @@ class ShardedParam:
                 f"composing with tensor parallelism supports a 1-D data-parallel mesh, a 1-D "
                 f"TP mesh and dim-0 sharding only (not HSDP or shard_placement_fn)."
             )
-        if tp_mesh._get_root_mesh() is not root or root.ndim != 2 or root is dp_mesh:
+        # Equal, not identical: torch caches meshes, so a 2-D mesh built again (a new model in
+        # the same process) can come back as an equal but distinct object.
+        if tp_mesh._get_root_mesh() != root or root.ndim != 2 or root is dp_mesh:
             raise ValueError(
                 f"fully_shard: parameter '{fqn}' is a DTensor on a mesh that is not the other "
                 f"dimension of the data-parallel mesh's parent. Slice both from one 2-D mesh: "

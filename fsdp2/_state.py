@@ -17,6 +17,9 @@ Timeline of one training step for a tree sharded bottom-up (blocks, then the roo
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
+from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
 
@@ -96,6 +99,7 @@ class FSDPState:
         self.unshard_in_backward = True
         self._forward_positions: list[int] = []
         self._pending_backward_calls = 0  # forward calls whose post-backward has not run
+        self._backward_epoch = 0  # +1 whenever the count above is reset
         self._recompute_registers_backward = False
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
         self._hook_handles: list[Any] = []
@@ -322,20 +326,14 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Route the inputs that need grad through ``_PostBackward`` so its backward runs
         once gradients for all of them (and so for this module's parameters) are done."""
-        leaves, spec = tree_flatten((args, kwargs))
-        positions = [
-            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if not positions:
+        inputs = [x for x in _tensors((args, kwargs)) if x.requires_grad]
+        if not inputs:
             return args, kwargs
-        outputs = _PostBackward.apply(self, *(leaves[i] for i in positions))
-        for i, out in zip(positions, outputs):
-            leaves[i] = out
-        return tree_unflatten(leaves, spec)
+        outputs = dict(zip(map(id, inputs), _PostBackward.apply(self, *inputs)))
+        return _map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
 
     def _attach_pre_backward(self, output: Any) -> Any:
-        leaves, _ = tree_flatten(output)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+        tensors = [x for x in _tensors(output) if x.requires_grad]
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return output
@@ -414,6 +412,7 @@ class FSDPState:
             if needs_post_backward:
                 state._pending_backward_calls = 1
                 state.post_backward()
+            state._backward_epoch += 1
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
             state._modules_to_run.clear()
@@ -435,6 +434,7 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
             state._pending_backward_calls = 0
+            state._backward_epoch += 1
             state._modules_to_run.clear()
             if state.group is not None:
                 state.group.reshard()
@@ -450,11 +450,72 @@ class FSDPState:
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a nest of containers to ``dtype``."""
+    return _map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
+
+
+# Module inputs and outputs are walked with pytree (containers, namedtuples, registered
+# classes such as Hugging Face's ModelOutput) and, inside it, through dataclass instances
+# pytree does not know, which it would take for opaque leaves: their tensors would miss
+# the casts and the backward triggers.
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree``, dataclass fields included."""
+    out: list[torch.Tensor] = []
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif _is_dataclass_instance(leaf):
+            for field in dataclasses.fields(leaf):
+                out += _tensors(getattr(leaf, field.name))
+    return out
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with every tensor ``x`` replaced by ``fn(x)``; dataclass instances are
+    rebuilt with ``dataclasses.replace`` where a field changed."""
     leaves, spec = tree_flatten(tree)
-    cast = [
-        x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in leaves
-    ]
-    return tree_unflatten(cast, spec)
+    mapped = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            leaf = fn(leaf)
+        elif _is_dataclass_instance(leaf):
+            changes = {}
+            for field in dataclasses.fields(leaf):
+                value = getattr(leaf, field.name)
+                new = _map_tensors(fn, value)
+                if field.init and new is not value:
+                    changes[field.name] = new
+            if changes:
+                leaf = dataclasses.replace(leaf, **changes)
+        mapped.append(leaf)
+    return tree_unflatten(mapped, spec)
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+class _PendingBackward:
+    """One forward call's claim on its group's post-backward.
+
+    ``post_backward`` reduces once every forward call counted in
+    ``_pending_backward_calls`` has had its backward. A forward whose graph is dropped
+    without a backward (a validation loss computed with grad enabled, a forward for
+    logging) must give its claim back, or the next training backward would hold every
+    group unsharded until the final callback. The claim is returned when the graph's
+    ``_PostBackward`` node is freed without having run, unless the count was reset since.
+    """
+
+    __slots__ = ("epoch", "ran", "state")
+
+    def __init__(self, state: FSDPState) -> None:
+        self.state = state
+        self.epoch = state._backward_epoch
+        self.ran = False
+
+    def release_unused(self) -> None:
+        state = self.state
+        if not self.ran and self.epoch == state._backward_epoch:
+            state._pending_backward_calls = max(0, state._pending_backward_calls - 1)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -463,9 +524,13 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
+        ctx.claim = _PendingBackward(state)
+        # ``ctx`` is the graph node: it dies with the graph, backward or not.
+        weakref.finalize(ctx, ctx.claim.release_unused).atexit = False
         return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.claim.ran = True
         ctx.state.post_backward()
         return (None, *grads)

@@ -161,3 +161,45 @@ def exec_doc_example(source: str, filename: str) -> bool:
 def test_docs_example() -> None:
     require_impl("fsdp2")
     assert all(run_ranks(exec_doc_example, 2, first_python_block(DOC), str(DOC)))
+
+
+def rank_reductions_after_dropped_forward() -> dict:
+    """A forward with grad enabled whose graph is dropped (a validation loss computed
+    without no_grad) must not delay the next backward's reductions to the final callback,
+    where every group would have stayed unsharded through backward."""
+    import traceback
+
+    import torch
+    from torch import nn
+
+    import fsdp2
+    from fsdp2._param_group import ParamGroup
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    for layer in model:
+        fsdp2.fully_shard(layer)
+    fsdp2.fully_shard(model)
+    where: list[str] = []
+    original = ParamGroup.reduce_grads
+
+    def reduce_grads(self: ParamGroup) -> None:
+        stack = [frame.name for frame in traceback.extract_stack()]
+        where.append("final callback" if "_finish_backward" in stack else "in backward")
+        original(self)
+
+    ParamGroup.reduce_grads = reduce_grads  # type: ignore[method-assign]
+    try:
+        x = torch.randn(2, 4)
+        model(x).sum()  # graph dropped right away
+        model(x).sum().backward()
+    finally:
+        ParamGroup.reduce_grads = original  # type: ignore[method-assign]
+    return {"where": where}
+
+
+def test_dropped_forward_does_not_delay_reductions() -> None:
+    require_impl("fsdp2")
+    for rep in run_ranks(rank_reductions_after_dropped_forward, 2):
+        # The first layer's input needs no grad: it reduces in the final callback.
+        assert rep["where"] == ["in backward", "in backward", "final callback"], rep

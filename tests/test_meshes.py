@@ -362,3 +362,29 @@ def test_fsdp_with_tensor_parallel_2x2() -> None:
         counts = rep["collectives"]
         assert counts[("all_gather", 2)] >= N_GROUPS and counts[("reduce_scatter", 2)] == N_GROUPS
         assert counts[("all_gather", 4)] == 0 and counts[("reduce_scatter", 4)] == 0
+
+
+def _tp_mesh_built_twice() -> dict:
+    """A second model with a 2-D mesh built again in the same process (a new run, a test
+    repeated): torch may hand back TP DTensors whose root mesh is the first, equal mesh."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    placements = []
+    for _ in range(2):
+        world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+        parallelize_module(model, world["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        get_fully_shard("fsdp2")(model, mesh=world["dp"])
+        model(torch.randn(2, 4)).sum().backward()
+        placements.append([type(p).__name__ for p in model[0].weight.placements])
+    return {"placements": placements}
+
+
+def test_tensor_parallel_mesh_built_twice() -> None:
+    for rep in run_ranks(_tp_mesh_built_twice, 4):
+        assert rep["placements"] == [["_StridedShard", "Shard"]] * 2, rep

@@ -1,0 +1,87 @@
+"""Module inputs and outputs that are dataclass instances pytree does not know: their
+tensors get the mixed-precision casts and the backward triggers like any container's.
+Without the trigger on a block's dataclass output, backward ran on resharded (freed)
+parameters ("setStorage: ... out of bounds for storage of size 0")."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+
+import torch
+import torch.distributed as dist
+from _helpers import get_fully_shard, require_impl
+from _launcher import run_ranks
+from torch import nn
+
+DIM = 4
+
+
+@dataclasses.dataclass
+class Hidden:
+    x: torch.Tensor
+    scale: float = 1.0
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, h: Hidden) -> Hidden:
+        return Hidden(torch.tanh(self.linear(h.x)) * h.scale, h.scale)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = Hidden(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h.x)
+
+
+def rank_dataclass_io(impl: str) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2 * ws, DIM, generator=gen)
+        model(x[2 * rank : 2 * rank + 2]).pow(2).sum().backward()
+        (ref(x).pow(2).sum() / ws).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    diff = max(
+        (p.full_tensor() - q).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    # Mixed precision casts inside dataclasses: inputs to param_dtype, outputs to output_dtype.
+    package = importlib.import_module("fsdp2" if impl == "fsdp2" else "torch.distributed.fsdp")
+    policy = package.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    block = Block()
+    fully_shard(block, mp_policy=policy)
+    out = block(Hidden(torch.randn(2, DIM)))
+    return {"max_diff": diff, "out": (type(out).__name__, str(out.x.dtype), out.scale)}
+
+
+def test_dataclass_inputs_and_outputs() -> None:
+    for impl in ("fsdp2", "torch"):
+        require_impl(impl)
+    for impl in ("fsdp2", "torch"):
+        for rep in run_ranks(rank_dataclass_io, 2, impl):
+            assert rep["max_diff"] <= 1e-6, (impl, rep)
+            assert rep["out"] == ("Hidden", "torch.float32", 1.0), (impl, rep)
