@@ -412,6 +412,16 @@ class FSDPModule:
                 f"process group (on separate streams)."
             )
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """torch's private switch, called by some training recipes: issue the pre-forward and
+        pre-backward all-gathers with ``async_op=True``. fsdp2 always issues them
+        asynchronously (on a side stream, or on gloo's threads on the CPU), so either value
+        keeps that behaviour."""
+        if not isinstance(async_op, bool):
+            raise TypeError(
+                f"{type(self).__name__}._set_unshard_async_op expects a bool, got {async_op!r}."
+            )
+
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise NotImplementedError(
             f"{type(self).__name__}.set_symm_mem_for_comm: symmetric-memory collectives are "

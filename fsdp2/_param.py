@@ -311,6 +311,38 @@ class ShardedParam:
         self.sharded_param._local_tensor = view
         self._spec = self.sharded_param._spec  # module.to(dtype) may have changed it
 
+    def adopt_assigned(self) -> None:
+        """Make the parameter now registered on the module our sharded parameter, if
+        ``load_state_dict(assign=True)`` (or a plain ``setattr``) replaced ours: its values
+        become the shard (``repoint`` then moves them into the flat buffer)."""
+        module, name = self.uses[0]
+        current = module._parameters.get(name)
+        if current is None or current is self.sharded_param or current is self.unsharded_param:
+            return
+        if not isinstance(current, DTensor):
+            raise ValueError(
+                f"fully_shard: parameter '{self.fqn}' was replaced by a {type(current).__name__} "
+                f"of shape {tuple(current.shape)}; a sharded module needs DTensor shards there. "
+                f"Load a sharded state dict (e.g. another sharded model's state_dict(), or "
+                f"distribute_tensor(full, mesh, placements)), or load without assign=True."
+            )
+        if (
+            current.shape != self.global_shape
+            or tuple(current.placements) != tuple(self.placements)
+            or current.device_mesh != self.dtensor_mesh
+        ):
+            raise ValueError(
+                f"fully_shard: parameter '{self.fqn}' was replaced by a DTensor of shape "
+                f"{tuple(current.shape)} with placements {tuple(current.placements)} on "
+                f"{current.device_mesh}; it must match the sharded parameter: shape "
+                f"{tuple(self.global_shape)}, placements {tuple(self.placements)} on "
+                f"{self.dtensor_mesh}."
+            )
+        if not isinstance(current, nn.Parameter):
+            current = nn.Parameter(current, requires_grad=self.sharded_param.requires_grad)
+        self.sharded_param = current
+        self.register(current)
+
     def register(self, param: nn.Parameter) -> None:
         """Make ``param`` the module attribute at every use (a dict write, no hooks)."""
         for module, name in self.uses:

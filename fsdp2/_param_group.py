@@ -301,6 +301,9 @@ class ParamGroup:
     def ensure_shards_bound(self) -> None:
         """Re-point local tensors that no longer view the flat buffer (after ``module.to()``,
         ``to_empty()`` or ``load_state_dict(assign=True)``), keeping their values."""
+        if not self.is_unsharded:
+            for p in self.params:
+                p.adopt_assigned()
         if all(p.points_into(self.flat_shard) for p in self.params):
             return
         local = [p.local_tensor() for p in self.params]

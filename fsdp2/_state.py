@@ -68,6 +68,9 @@ class TreeContext:
         self.forward_order: list[FSDPState] = []  # states, in pre-forward order, with repeats
         self.in_backward = False
         self.callback_queued = False
+        # False until the root's first forward: a tree that ``unshard()`` on a submodule
+        # created is taken over by the outermost root at its first forward.
+        self.started = False
 
 
 class FSDPState:
@@ -125,7 +128,13 @@ class FSDPState:
                 self._hook_handles += [
                     owner.register_state_dict_pre_hook(self._reshard_for_state_dict),
                     owner.register_load_state_dict_pre_hook(self._reshard_for_state_dict),
+                    # load_state_dict(assign=True) replaces the parameters: adopt them.
+                    owner.register_load_state_dict_post_hook(self._adopt_loaded),
                 ]
+
+    def _adopt_loaded(self, *_: Any) -> None:
+        if self.group is not None:
+            self.group.ensure_shards_bound()
 
     def _reshard_for_state_dict(self, *_: Any) -> None:
         group = self.group
@@ -152,6 +161,8 @@ class FSDPState:
                     seen.add(id(state))
                     states.append(state)
         for state in states:
+            if state.tree is not None and not state.tree.started:
+                state.tree = None  # created by a submodule's unshard(): this root takes over
             if state.tree is not None:
                 raise RuntimeError(
                     f"fully_shard: {state.label} was already initialized as part of the tree "
@@ -168,8 +179,11 @@ class FSDPState:
                 # The root's parameters are needed again at the very start of backward.
                 state.reshard_after_forward = state is not self
         for state in states:
-            if state.group is not None:
-                state.group.lazy_init(tree.comm)
+            group = state.group
+            if group is not None and group.comm is not None:
+                group.comm = tree.comm  # initialized under a submodule's unshard() already
+            elif group is not None:
+                group.lazy_init(tree.comm)
         return tree
 
     @property
@@ -280,6 +294,7 @@ class FSDPState:
         tree = self.tree
         if tree is None:
             raise AssertionError("root pre-forward before lazy init")
+        tree.started = True
         tree.forward_order.clear()
         for state in tree.states:
             state._forward_positions.clear()

@@ -121,3 +121,10 @@ def test_package_never_imports_torch_fsdp() -> None:
             ):
                 offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+def test_private_unshard_async_op_switch_is_accepted() -> None:
+    """torch's ``_set_unshard_async_op`` is called by recipes written for torch."""
+    assert callable(fsdp2.FSDPModule._set_unshard_async_op)
+    with pytest.raises(TypeError, match="expects a bool"):
+        fsdp2.FSDPModule._set_unshard_async_op(object.__new__(fsdp2.FSDPModule), 1)  # type: ignore[arg-type]

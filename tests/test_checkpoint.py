@@ -518,6 +518,75 @@ def test_state_dict_after_forward_is_sharded(impl: str, reshard_after_forward: b
         assert rep == {"kinds": ["DTensor"], "loaded_zeros": True}, rep
 
 
+def rank_load_with_assign(impl: str) -> dict:
+    """load_state_dict(assign=True) with sharded DTensors: on a meta-device model (the
+    parameters become the loaded shards) and on a trained one (the loaded values win)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    torch.manual_seed(0)
+    full = {"0.weight": torch.randn(4, 4), "1.weight": torch.randn(4, 4)}
+    x = torch.randn(2, 4)
+    expected = x @ full["0.weight"].T @ full["1.weight"].T
+
+    def sharded_sd(model: nn.Module) -> dict:
+        return {
+            k: distribute_tensor(full[k], p.device_mesh, p.placements)
+            for k, p in model.named_parameters()
+        }
+
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    for layer in meta:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(meta, mesh=mesh)
+    meta.load_state_dict(sharded_sd(meta), assign=True)
+    meta_out = meta(x)
+
+    torch.manual_seed(1)
+    trained = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    for layer in trained:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(trained, mesh=mesh)
+    trained(x).sum().backward()  # lazy init done, buffers built
+    trained.load_state_dict(sharded_sd(trained), assign=True)
+    trained_out = trained(x)
+    return {
+        "meta_diff": (meta_out - expected).abs().max().item(),
+        "trained_diff": (trained_out - expected).abs().max().item(),
+        "devices": sorted({str(p.device) for p in meta.parameters()}),
+    }
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_load_state_dict_with_assign(impl: str) -> None:
+    require_impl(impl)
+    for rep in run_ranks(rank_load_with_assign, 2, impl):
+        assert rep["meta_diff"] <= 1e-6 and rep["trained_diff"] <= 1e-6, rep
+        assert rep["devices"] == ["cpu"], rep
+
+
+def rank_assign_plain_tensor() -> str:
+    model = nn.Sequential(nn.Linear(4, 4))
+    fsdp2.fully_shard(model, mesh=make_mesh())
+    try:
+        model.load_state_dict(
+            {k: torch.zeros(v.shape) for k, v in model.state_dict().items()}, assign=True
+        )
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_assign_plain_tensor_is_a_clear_error() -> None:
+    for message in run_ranks(rank_assign_plain_tensor, 2):
+        assert "parameter '0.weight' was replaced by a Parameter of shape (4, 4)" in message, (
+            message
+        )
+        assert "DTensor shards" in message, message
+
+
 # ------------------------------------------------------------- full state dicts
 
 

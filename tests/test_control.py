@@ -575,3 +575,39 @@ def test_docs_example() -> None:
     require_impl("fsdp2")
     source = first_python_block(CONTROL_DOC)
     assert all(run_ranks(exec_doc_example, 2, source, str(CONTROL_DOC)))
+
+
+def rank_submodule_unshard_before_first_forward(impl: str) -> dict:
+    """``block.unshard()`` before the root's first forward (e.g. to inspect weights): the
+    root still becomes the root at its first forward, and training matches."""
+    import copy
+
+    from _helpers import get_fully_shard
+    from torch import nn
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    model[0].unshard()
+    first_rows = model[0].weight[:2].detach().clone()  # an unsharded, plain tensor now
+    model[0].reshard()
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(1))
+    model(x[2 * rank : 2 * rank + 2]).sum().backward()
+    (ref(x).sum() / ws).backward()
+    diff = max(
+        (p.grad.full_tensor() - q.grad).abs().max().item()
+        for p, q in zip(model.parameters(), ref.parameters())
+    )
+    return {"grad_diff": diff, "peek_ok": torch.equal(first_rows, ref[0].weight[:2])}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_submodule_unshard_before_first_forward(impl: str) -> None:
+    require_impl(impl)
+    for rep in run_ranks(rank_submodule_unshard_before_first_forward, 2, impl):
+        assert rep["grad_diff"] <= 1e-6 and rep["peek_ok"], rep
