@@ -110,7 +110,7 @@ def validate_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | in
     return value
 
 
-_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], int], Any] = {}
+_POST_FORWARD_GROUPS: dict[tuple[Any, tuple[int, ...], int], Any] = {}
 
 
 def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[Any, int]:
@@ -118,7 +118,9 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[Any, int]:
     index there. Created once per (mesh, size): every rank creates every subgroup, in
     the same order, because fully_shard runs the same calls on every rank."""
     ranks = mesh.mesh.reshape(-1, size)
-    key = (tuple(mesh.mesh.flatten().tolist()), size)
+    # Keyed by the shard group too: after destroy_process_group() and a new world, the
+    # same ranks need subgroups of the new world.
+    key = (mesh.get_group(mesh.ndim - 1), tuple(mesh.mesh.flatten().tolist()), size)
     if key not in _POST_FORWARD_GROUPS:
         _POST_FORWARD_GROUPS[key] = dist.new_subgroups_by_enumeration(ranks.tolist())[0]
     shard_rank = mesh.get_local_rank(mesh.ndim - 1)
