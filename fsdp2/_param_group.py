@@ -187,8 +187,10 @@ class ParamGroup:
         self.comm: CommContext | None = None
         self.unsharded_flat: torch.Tensor | None = None
         self._copy_out_targets: list[torch.Tensor] = []
-        # One parameter: rank-major and param-major layouts coincide, gather in place.
-        self._gather_in_place = len(params) == 1
+        # One parameter, or one rank: rank-major and param-major layouts coincide, so the
+        # all-gather (or, for one rank, the cast or copy that replaces it) writes straight
+        # into the unsharded buffer, with no copy-out.
+        self._gather_in_place = len(params) == 1 or self.world_size == 1
         self._all_gather: AllGatherInFlight | None = None
         # reshard_after_forward=int (see ``set_post_forward_group``).
         self.post_forward_group: Any = None
@@ -361,22 +363,16 @@ class ParamGroup:
 
     def _unshard_alone(self, comm: CommContext, stream: Stream) -> None:
         """A shard group of one rank holds whole parameters: no collective (torch issues
-        none either). The flat shard is the copy-out source as is; a cast or host-to-device
-        copy still runs, on the all-gather stream as it would for a collective."""
+        none either). The flat shard, or its cast or host-to-device copy, is written into the
+        unsharded buffer directly, on the all-gather stream as a collective would be."""
         with use_stream(stream):
             wait_event(stream, comm.all_gather_release)
-            flat = self.flat_shard
-            if self._gather_in_place:
-                self._alloc_unsharded()
-                output = self._unsharded_write
-                source = self._all_gather_input(output)
-                if source.data_ptr() != output.data_ptr():
-                    output.copy_(source, non_blocking=True)
-            elif flat.dtype == self.gather_dtype and flat.device == self.device:
-                output = source = flat  # read by the copy-out; never returned to the pool
-            else:
-                output = comm.host_buffers.empty(self.gather_numel, self.gather_dtype, self.device)
-                source = self._all_gather_input(output)
+            # One rank gathers in place (see ``_gather_in_place``).
+            self._alloc_unsharded()
+            output = self._unsharded_write
+            source = self._all_gather_input(output)
+            if source.data_ptr() != output.data_ptr():
+                output.copy_(source, non_blocking=True)
             done = PendingCollective(None, record_event(stream))
         self._all_gather = AllGatherInFlight(source, output, done, False)
 
@@ -417,8 +413,7 @@ class ParamGroup:
             torch.split_with_sizes_copy(in_flight.output.view(ranks, -1), sizes, dim=1, out=targets)
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
             comm.release_all_gather_memory()
-            if in_flight.output is not self.flat_shard:  # one rank: the shard was the source
-                comm.host_buffers.release(in_flight.output)
+            comm.host_buffers.release(in_flight.output)
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
             unsharded = p.unsharded_param

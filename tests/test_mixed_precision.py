@@ -139,8 +139,10 @@ def cross_impl(
         # fp16 reduces divide by 2 before and 2 after the sum at 4 ranks (overflow and
         # underflow guards); equal bits mean the same split as torch.
         (torch.float16, None, None, 4),
+        # One rank: no collectives; the cast writes straight into the unsharded buffer.
+        (BF16, FP32, None, 1),
     ],
-    ids=["reduce_fp32", "reduce_bf16", "output_fp32", "fp16_pre_post_divide"],
+    ids=["reduce_fp32", "reduce_bf16", "output_fp32", "fp16_pre_post_divide", "one_rank"],
 )
 def test_bitwise_equal_to_torch(param_dtype, reduce_dtype, output_dtype, world_size) -> None:
     for impl in IMPLS:
