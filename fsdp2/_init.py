@@ -215,20 +215,15 @@ def _validate_ignored(
     if ignored_params is None:
         return set()
     ignored = set(ignored_params)
-    owned = {p for m in modules for p in m.parameters()}
     for p in ignored:
         if not isinstance(p, nn.Parameter):
             raise TypeError(
                 f"fully_shard(ignored_params=...) must contain nn.Parameter objects, got "
                 f"{type(p).__name__}."
             )
-        if p not in owned:
-            raise ValueError(
-                f"fully_shard(ignored_params=...) on {_label(modules)}: a parameter of shape "
-                f"{tuple(p.shape)} is not a parameter of this module; pass only parameters of "
-                f"the module(s) being sharded."
-            )
-    return ignored
+    # One set may be passed to every call (as torch allows): each call keeps its own.
+    owned = {p for m in modules for p in m.parameters()}
+    return ignored & owned
 
 
 def mark_managed(params: Iterable[nn.Parameter], label: str) -> None:

@@ -117,6 +117,8 @@ class ShardedParam:
     gather_offset: int  # start of the slot in one all-gather row (that buffer's elements)
     sharded_param: nn.Parameter  # DTensor, Shard(d); local tensor views the flat buffer
     unsharded_param: nn.Parameter | None  # ND view into the group's unsharded buffer
+    # Unsynced gradients summed in the reduce dtype (see ParamGroup.accumulate_unsynced).
+    accumulated_grad: torch.Tensor | None
 
     def __init__(
         self,
@@ -172,6 +174,7 @@ class ShardedParam:
         # The group overrides the three offsets when it plans its layout.
         self.offset = self.shard_offset = self.gather_offset = offset
         self.unsharded_param = None
+        self.accumulated_grad = None
 
     def _init_tensor_parallel(
         self, param: DTensor, dp_mesh: DeviceMesh, fqn: str, shard_dim: int

@@ -479,7 +479,7 @@ class ParamGroup:
         if not any(trainable):
             return
         count = len(trainable) - trainable[::-1].index(True)
-        grads = [p.unsharded_param.grad for p in self.params[:count]]
+        grads = [self._take_unsharded_grad(p) for p in self.params[:count]]
         ws = self.world_size
         reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params[:count])
         # ``rows``: each gradient with the sharded dim first (zeros where missing), cut
@@ -526,6 +526,35 @@ class ParamGroup:
             rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
         comm.reduces.append(ReduceInFlight(self, rs_input, rs_output, pending, has_grad))
+
+    def accumulate_unsynced(self) -> None:
+        """Backward without gradient sync: move low-precision unsharded gradients into
+        per-parameter sums in the reduce dtype, so accumulating microbatches in bf16 does
+        not round away small contributions (256 + 1 + 1 + 1 stays 259, as in torch)."""
+        dtype = self.reduce_dtype
+        if dtype is None:
+            return
+        for p in self.params:
+            unsharded = p.unsharded_param
+            grad = unsharded.grad if unsharded is not None else None
+            if grad is None or grad.dtype == dtype:
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            unsharded.grad = None
+
+    def _take_unsharded_grad(self, p: ShardedParam) -> torch.Tensor | None:
+        """The parameter's unsharded gradient, with any unsynced sum added (and cleared)."""
+        grad = p.unsharded_param.grad
+        total = p.accumulated_grad
+        if total is None:
+            return grad
+        p.accumulated_grad = None
+        if grad is not None:
+            total.add_(grad)
+        return total
 
     def _copy_in_grads(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
         """Fill ``out`` (``ws`` rank rows of the reduce-scatter input) from ``rows`` (see

@@ -256,6 +256,9 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tree = self.lazy_init()
         group = self.group
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if tree.in_backward:
             # Activation checkpointing recomputes this forward inside backward.
             self.training_state = TrainingState.FORWARD
@@ -273,9 +276,6 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
-        policy = self.mp_policy
-        if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         self.training_state = TrainingState.FORWARD
         tree.forward_order.append(self)
         self._forward_positions.append(len(tree.forward_order) - 1)
@@ -317,7 +317,7 @@ class FSDPState:
             self.training_state = TrainingState.PRE_BACKWARD
             if self._recompute_registers_backward:
                 output = self._attach_pre_backward(output)
-            return output
+            return self._cast_output(output)
         group = self.group
         grad_enabled = torch.is_grad_enabled()
         if self.is_root:
@@ -411,6 +411,8 @@ class FSDPState:
                 group.reshard()
             if group.requires_gradient_sync:
                 group.reduce_grads()
+            else:
+                group.accumulate_unsynced()
         self.training_state = TrainingState.IDLE
 
     @_run_eagerly
@@ -454,6 +456,7 @@ class FSDPState:
             if state.group is not None:
                 state.group.reshard()
                 for p in state.group.params:
+                    p.accumulated_grad = None
                     if p.unsharded_param is not None:
                         p.unsharded_param.grad = None
         tree.comm.finish_reduces(keep=0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import math
 import pathlib
 
@@ -48,6 +49,7 @@ from _helpers import (
     IMPLS,
     deterministic_init,
     full,
+    get_fully_shard,
     is_dtensor,
     lies_inside,
     make_mesh,
@@ -782,3 +784,59 @@ def test_docs_example() -> None:
     require_impl("fsdp2")
     doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "mixed_precision.md"
     assert all(run_ranks(exec_doc_example, 2, first_python_block(doc), str(doc)))
+
+
+def rank_unsynced_accumulation_and_recompute(impl: str) -> dict:
+    """Two mixed-precision paths torch gets right: (1) microbatches accumulated without
+    gradient sync sum in ``reduce_dtype`` (fp32), not in bf16, which would round
+    256 + 1 + 1 + 1 to 256; (2) activation checkpointing's recomputation inside backward
+    casts the module's inputs (to ``param_dtype``) and outputs (to ``output_dtype``) again."""
+    from torch.utils.checkpoint import checkpoint
+
+    fully_shard = get_fully_shard(impl)
+    policy_cls = importlib.import_module(
+        "fsdp2" if impl == "fsdp2" else "torch.distributed.fsdp"
+    ).MixedPrecisionPolicy
+    model = nn.Linear(2, 2, bias=False)
+    fully_shard(model, mp_policy=policy_cls(param_dtype=BF16, reduce_dtype=FP32))
+    for i, value in enumerate([256.0, 1.0, 1.0, 1.0]):
+        model.set_requires_gradient_sync(i == 3)
+        model(torch.full((1, 2), value)).sum().backward()
+    accumulated = model.weight.grad.full_tensor().flatten().tolist()
+
+    seen: list[tuple[str, torch.dtype]] = []
+
+    class Recording(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(("in", x.dtype))
+            return super().forward(x)
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = Recording(2, 2)
+
+        def run(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            seen.append(("out", y.dtype))
+            return y
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.run, x, use_reentrant=False, early_stop=False).float().sum()
+
+    wrapper = Wrapper()
+    policy = policy_cls(param_dtype=BF16, output_dtype=FP32)
+    fully_shard(wrapper.lin, mp_policy=policy)
+    fully_shard(wrapper, mp_policy=policy)
+    wrapper(torch.randn(4, 2)).backward()
+    return {"accumulated": accumulated, "seen": [(k, str(d)) for k, d in seen]}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unsynced_accumulation_and_recompute_casts(impl: str) -> None:
+    require_impl(impl)
+    for rep in run_ranks(rank_unsynced_accumulation_and_recompute, 2, impl):
+        # 2 ranks with the same inputs: the average of 259 over ranks is 259.
+        assert rep["accumulated"] == [259.0] * 4, rep
+        twice = [("in", "torch.bfloat16"), ("out", "torch.float32")] * 2
+        assert rep["seen"] == twice, rep

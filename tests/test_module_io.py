@@ -85,3 +85,45 @@ def test_dataclass_inputs_and_outputs() -> None:
         for rep in run_ranks(rank_dataclass_io, 2, impl):
             assert rep["max_diff"] <= 1e-6, (impl, rep)
             assert rep["out"] == ("Hidden", "torch.float32", 1.0), (impl, rep)
+
+
+def rank_global_ignored_params(impl: str) -> dict:
+    """One ``ignored_params`` set passed to every fully_shard call (torch allows it): each
+    call ignores the parameters it owns. Ignored parameters stay plain, replicated tensors
+    whose gradients the user reduces (here: an all-reduce, as DDP would)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 1))
+    model = copy.deepcopy(ref)
+    ignored = {model[1].weight, model[1].bias}
+    fully_shard(model[0], ignored_params=ignored)
+    fully_shard(model[1], ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2 * ws, DIM, generator=gen)
+        model(x[2 * rank : 2 * rank + 2]).pow(2).sum().backward()
+        for p in ignored:
+            dist.all_reduce(p.grad)
+            p.grad /= ws
+        (ref(x).pow(2).sum() / ws).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    diffs = []
+    for p, q in zip(model.parameters(), ref.parameters()):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        diffs.append((full - q).abs().max().item())
+    kinds = [type(p).__name__ for p in model[1].parameters()]
+    return {"max_diff": max(diffs), "ignored_kinds": kinds}
+
+
+def test_one_ignored_params_set_for_every_call() -> None:
+    for impl in ("fsdp2", "torch"):
+        require_impl(impl)
+        for rep in run_ranks(rank_global_ignored_params, 2, impl):
+            assert rep["max_diff"] <= 1e-6, (impl, rep)
+            assert rep["ignored_kinds"] == ["Parameter", "Parameter"], (impl, rep)
