@@ -263,6 +263,7 @@ class ShardedParam:
     ) -> None:
         """Copy this rank's rows of ``full`` into the flat buffer and create the DTensor."""
         local = self.local_alias(flat_shard)
+        self._local_layout = (local.shape, local.stride())
         if full.device.type != "meta" and self.local_rows > 0:
             with torch.no_grad():
                 local.copy_(full.narrow(self.shard_dim, self.first_row, self.local_rows))
@@ -281,21 +282,24 @@ class ShardedParam:
         self._spec = dtensor._spec
 
     def local_tensor(self) -> torch.Tensor:
-        """The sharded parameter's local tensor, whatever storage it currently uses."""
-        with torch.no_grad():
-            return self.sharded_param.to_local()
+        """The sharded parameter's local tensor, whatever storage it currently uses. Read
+        without dispatching an op, so it also works under ``torch.func`` transforms (a
+        first forward inside ``jvp``), which would wrap the result."""
+        return self.sharded_param._local_tensor
 
     def points_into(self, flat_shard: torch.Tensor) -> bool:
         """Whether the local tensor is still our view (``.to()``/``assign=True`` replace it)."""
         local = self.local_tensor()
         if self.local_rows == 0:
             return local.device == flat_shard.device and local.dtype == self.dtype
-        view = self.local_view(flat_shard)
+        # Addresses and metadata only, no view: this also runs under torch.func transforms.
+        start = flat_shard.data_ptr() + self.shard_offset * flat_shard.element_size()
         return (
-            local.data_ptr() == view.data_ptr()
-            and local.shape == view.shape
-            and local.stride() == view.stride()
-            and local.dtype == view.dtype
+            local.data_ptr() == start
+            and local.device == flat_shard.device
+            and local.dtype == self.dtype
+            and local.shape == self._local_layout[0]
+            and local.stride() == self._local_layout[1]
         )
 
     def repoint(self, flat_shard: torch.Tensor) -> None:
@@ -308,6 +312,7 @@ class ShardedParam:
         """
         local = self.local_tensor()
         view = self.local_alias(flat_shard)
+        self._local_layout = (view.shape, view.stride())
         if local.device.type != "meta" and self.local_rows > 0:
             with torch.no_grad():
                 view.copy_(local)
