@@ -134,6 +134,15 @@ class ShardedParam:
                 f"fully_shard cannot shard the 0-dim parameter '{fqn}': sharding splits dim 0. "
                 f"Store it with shape (1,) or pass it in ignored_params to keep it replicated."
             )
+        if hasattr(param, "fsdp_pre_all_gather"):
+            # e.g. float8 training subclasses: gathering their plain values instead would
+            # silently train without the subclass's all-gather (and its numerics).
+            raise NotImplementedError(
+                f"fully_shard: parameter '{fqn}' is a tensor subclass "
+                f"({type(param).__name__}) with fsdp_pre_all_gather/fsdp_post_all_gather "
+                f"all-gather extensions, which fsdp2 does not support yet; use "
+                f"torch.distributed.fsdp.fully_shard for it."
+            )
         self.fqn = fqn
         self.uses = uses
         # Tensor parallelism: ``param`` is already a DTensor on a TP mesh. We shard its

@@ -176,6 +176,15 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def process_group_allocated_buffers() -> None:
         _sharded_root().set_allocate_memory_from_process_group_for_comm(True)
 
+    def all_gather_extension() -> None:
+        class Extended(torch.Tensor):  # declares torch FSDP2's all-gather extension hooks
+            def fsdp_pre_all_gather(self, *args: object) -> None:
+                raise AssertionError("must not be called")
+
+        block = Block()
+        block.lin.weight = nn.Parameter(block.lin.weight.detach().as_subclass(Extended))
+        fsdp2.fully_shard(block, mesh=_mesh())
+
     def unused_params_not_bool() -> None:
         _sharded_root().set_reduce_scatter_unused_params(1)  # type: ignore[arg-type]
 
@@ -251,6 +260,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "separate_reduce_scatter_group": ("NotImplementedError", r"set_separate_reduce_scatter_group"),
     "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
     "process_group_allocated_buffers": ("NotImplementedError", r"backend-allocated"),
+    "all_gather_extension": (
+        "NotImplementedError",
+        r"parameter 'lin\.weight' is a tensor subclass \(Extended\) with fsdp_pre_all_gather",
+    ),
     "unused_params_not_bool": ("ValueError", r"set_reduce_scatter_unused_params expects a bool"),
 }
 
