@@ -339,9 +339,6 @@ class ParamGroup:
         comm = self._require_comm()
         stream = comm.streams.all_gather
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        if self.world_size == 1 and not post_forward:
-            self._unshard_alone(comm, stream)
-            return
         with use_stream(stream):
             # Memory released by the compute stream may be reused only after it is done.
             wait_event(stream, comm.all_gather_release)
@@ -358,23 +355,15 @@ class ParamGroup:
             else:
                 ag_input = self._all_gather_input(output)
                 group = self.process_group
-            pending = all_gather_flat(output, ag_input, group, stream)
+            if self.world_size == 1:
+                # One rank holds whole parameters: no collective (torch issues none either).
+                # It gathers in place, so at most the shard is copied into the output.
+                if ag_input.data_ptr() != output.data_ptr():
+                    output.copy_(ag_input, non_blocking=True)
+                pending = PendingCollective(None, record_event(stream))
+            else:
+                pending = all_gather_flat(output, ag_input, group, stream)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward)
-
-    def _unshard_alone(self, comm: CommContext, stream: Stream) -> None:
-        """A shard group of one rank holds whole parameters: no collective (torch issues
-        none either). The flat shard, or its cast or host-to-device copy, is written into the
-        unsharded buffer directly, on the all-gather stream as a collective would be."""
-        with use_stream(stream):
-            wait_event(stream, comm.all_gather_release)
-            # One rank gathers in place (see ``_gather_in_place``).
-            self._alloc_unsharded()
-            output = self._unsharded_write
-            source = self._all_gather_input(output)
-            if source.data_ptr() != output.data_ptr():
-                output.copy_(source, non_blocking=True)
-            done = PendingCollective(None, record_event(stream))
-        self._all_gather = AllGatherInFlight(source, output, done, False)
 
     def _all_gather_input(self, output: torch.Tensor) -> torch.Tensor:
         """The flat shard itself when it is already in the gathered dtype and on the

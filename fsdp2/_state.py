@@ -241,9 +241,14 @@ class FSDPState:
 
     def _complete_partial_forward(self, output: Any) -> Any:
         """Finish the forward of a group some of whose modules did not run, from the root's
-        post-forward: reshard as the last module would have, and trigger the pre-backward
-        unshard from the root's output."""
+        post-forward, as its last module would have; the pre-backward unshard is then
+        triggered from the root's output."""
         self._modules_to_run.clear()
+        return self._end_forward(output)
+
+    def _end_forward(self, output: Any) -> Any:
+        """Reshard if configured (always without grad: no backward will need the
+        parameters) and arm the pre-backward trigger on ``output``."""
         group = self.group
         grad_enabled = torch.is_grad_enabled()
         if group is not None and (self.reshard_after_forward or not grad_enabled):
@@ -318,21 +323,14 @@ class FSDPState:
             if self._recompute_registers_backward:
                 output = self._attach_pre_backward(output)
             return self._cast_output(output)
-        group = self.group
-        grad_enabled = torch.is_grad_enabled()
         if self.is_root:
             for state in reversed(tree.states):
                 if state is not self and state._modules_to_run:
                     output = state._complete_partial_forward(output)
-        if group is not None and (self.reshard_after_forward or not grad_enabled):
-            # Without grad no backward will need the parameters: free them entirely.
-            group.reshard(post_forward=grad_enabled)
+        output = self._end_forward(output)
         if self.is_root:  # backward starts with an empty pool: [Note: host buffer pool]
             tree.comm.host_buffers.clear()
             tree.comm.host_buffers.max_buffers = 1
-        self.training_state = TrainingState.IDLE
-        if grad_enabled:
-            output = self._attach_pre_backward(output)
         return self._cast_output(output)
 
     # -- backward triggers ---------------------------------------------------------------
