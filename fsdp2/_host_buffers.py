@@ -15,6 +15,8 @@ rules are about never holding one idle while memory peaks:
 - A request takes a kept buffer of at least its size and at most ``2 * slack_bytes`` more;
   fresh pooled buffers are allocated ``slack_bytes`` larger, so a group's reduce-scatter
   input (its unsharded size plus the gradient flags) reuses its freed unsharded buffer.
+  The slack is exactly the largest group's flag bytes (``allow_slack`` at lazy init), a
+  few hundred bytes at small world sizes, so kept buffers are no larger than needed.
 - A request no kept buffer fits frees every kept buffer before allocating (never both).
 - A full pool frees the buffer kept longest ago: the newest fits the next block likeliest.
 - Forward keeps up to two buffers (the all-gather output and the unsharded buffer of one
@@ -26,7 +28,7 @@ rules are about never holding one idle while memory peaks:
   where allocating without the pool maps three.
 
 Measured on ``large-few`` (fake process group, 2 ranks): the same peak live memory as
-without the pool (plus ``slack_bytes`` per buffer), step time 0.73x torch's instead of 1.2x.
+without the pool (plus the flag slack per buffer), step time 0.73x torch's instead of 1.2x.
 
 Returning a buffer moves its memory into the pool with ``UntypedStorage._swap_data_ptr_``
 rather than keeping a second reference: the returned tensor's storage is left with zero
@@ -55,7 +57,7 @@ class HostBufferPool:
         *,
         min_bytes: int | None = None,
         max_buffers: int = 1,
-        slack_bytes: int = 64 << 10,
+        slack_bytes: int = 0,
     ) -> None:
         self.enabled = device.type == "cpu" and _CAN_SWAP
         self.min_bytes = MIN_POOLED_BYTES if min_bytes is None else min_bytes
@@ -63,10 +65,15 @@ class HostBufferPool:
         # Buffers are allocated ``slack_bytes`` larger than asked, and a request takes any
         # pooled buffer up to ``2 * slack_bytes`` larger: a group's reduce-scatter input
         # (its unsharded size plus the gradient flags) then reuses its unsharded buffer.
+        # Groups raise it to their flag bytes at lazy init (``allow_slack``).
         self.slack_bytes = slack_bytes
         # uint8 tensors of size 0 whose storages hold the pooled memory.
         self._free: list[torch.Tensor] = []
         self.reused = 0  # allocations served from the pool (for tests and benchmarks)
+
+    def allow_slack(self, nbytes: int) -> None:
+        """Size fresh buffers for requests up to ``nbytes`` larger than the first."""
+        self.slack_bytes = max(self.slack_bytes, nbytes)
 
     def _pooled(self, nbytes: int) -> bool:
         return self.enabled and nbytes >= self.min_bytes

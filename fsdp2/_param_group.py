@@ -50,8 +50,10 @@ prefix is fixed by ``requires_grad`` (every parameter up to the last trainable o
 missing gradient contributes zeros, and each rank's chunk of the reduce-scatter input ends
 with one flag per parameter (1 if this rank had its gradient). After the sum, a rank stores
 a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
-non-sharded training. The flags cost ``world_size`` elements per parameter per step, and
-are read (a host sync on accelerators) only by a rank that lacked some gradient itself.
+non-sharded training. The flags cost ``world_size`` elements per parameter in each
+reduce-scatter input and one per parameter in the reduced gradients; nothing else is kept
+between steps, and the buffer pool's slack is sized for them. Only a rank that lacked
+some gradient itself reads them (a host sync on accelerators).
 A group with no gradient on any rank still reduces (zeros): the schedule of collectives
 must not depend on data.
 """
@@ -166,7 +168,6 @@ class ParamGroup:
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
         self._partial_reduce: torch.Tensor | None = None
-        self._all_flags: torch.Tensor | None = None  # cached all-ones flags, see reduce_grads
         self.mp_policy = mp_policy
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
@@ -268,6 +269,7 @@ class ParamGroup:
     def lazy_init(self, comm: CommContext) -> None:
         """Bind to the tree's communication context and build the unsharded buffer."""
         self.comm = comm
+        comm.host_buffers.allow_slack(self.reduce_flag_bytes)
         self.ensure_shards_bound()
         if self.flat_shard.device.type == "meta":
             raise RuntimeError(
@@ -276,6 +278,13 @@ class ParamGroup:
                 f"module.to_empty(device=...) then module.reset_parameters()."
             )
         self._init_unsharded()
+
+    @property
+    def reduce_flag_bytes(self) -> int:
+        """What the has-gradient flags add to a reduce-scatter input: one element per
+        parameter per rank (see [Note: gradients some ranks lack])."""
+        dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params)
+        return self.world_size * len(self.params) * dtype.itemsize
 
     def set_post_forward_group(self, group: Any, size: int, index: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of each parameter,
@@ -484,15 +493,15 @@ class ParamGroup:
                 rows.append(p.as_rows(grad))
         # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
         # the sum each rank knows how many ranks had each gradient, for free.
+        # The common case (every gradient present) fills one element on the device: no
+        # host-to-device copy, and nothing kept between steps (the flags cost memory only
+        # inside the collective's buffers).
         has_grad = [g is not None for g in grads]
-        if all(has_grad):  # the common case: one cached tensor, no per-step host copy
-            ones = self._all_flags
-            if ones is None or ones.dtype != reduce_dtype or ones.numel() != count:
-                ones = self._all_flags = torch.ones(count, dtype=reduce_dtype, device=self.device)
-            flags = ones
+        if all(has_grad):
+            flags = torch.ones(1, dtype=reduce_dtype, device=self.device).expand(ws, count)
         else:
-            flags = torch.tensor(has_grad, dtype=reduce_dtype, device=self.device)
-        rows.append(flags.expand(ws, count))
+            flags = torch.tensor(has_grad, dtype=reduce_dtype, device=self.device).expand(ws, -1)
+        rows.append(flags)
         numel = sum(self._reduce_sizes[:count]) + count
         comm = self._require_comm()
         compute = comm.streams.compute()

@@ -123,14 +123,17 @@ def test_quick_schema(runs: dict[str, dict[str, Any]], config: str) -> None:
 @pytest.mark.parametrize("config", ["small-many", "bf16", "large-few", "cpu-offload"])
 def test_peak_memory_at_most_torch(runs: dict[str, dict[str, Any]], config: str) -> None:
     """Peak live tensor bytes are deterministic, so the memory target can be asserted:
-    fsdp2's peak is torch's, give or take the per-parameter gradient flags each
-    reduce-scatter carries ([Note: gradients some ranks lack]: a few elements per group).
-    Reducing before resharding, or allocating a reduce-scatter input while the previous
-    one is alive, or a separate all-gather input for the bf16 cast, each costs a whole
-    block's worth of bytes and fails this."""
+    fsdp2's peak is at most torch's, except for the per-parameter gradient flags each
+    reduce-scatter carries ([Note: gradients some ranks lack]) where a reduce-scatter is
+    alive at the peak (bf16: 4 ranks x 9 parameters x 4 bytes in its input, 36 bytes in
+    the reduced gradients). Reducing before resharding, or allocating a reduce-scatter
+    input while the previous one is alive, or a separate all-gather input for the bf16
+    cast, each costs a whole block's worth of bytes and fails this; so does keeping a
+    flags tensor per group between steps (36 bytes per group)."""
     (entry,) = runs[config]["runs"]
     peaks = {label: res["memory"]["peak_bytes"] for label, res in entry["results"].items()}
-    assert peaks["fsdp2"] <= peaks["torch"] * 1.001, peaks
+    flag_bytes = 4 * 9 * 4 + 9 * 4 if config == "bf16" else 0
+    assert peaks["fsdp2"] - peaks["torch"] <= flag_bytes, peaks
 
 
 def test_counts_are_deterministic(runs: dict[str, dict[str, Any]]) -> None:
