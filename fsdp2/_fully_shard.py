@@ -246,7 +246,9 @@ class FSDPModule:
         group = state.group
         if group is None:
             return UnshardHandle(None) if async_op else None
-        group.unshard()
+        # Called by the user, possibly right after the optimizer step: gather only after
+        # the compute stream's writes to the shards (a no-op on the CPU).
+        group.unshard(after_compute=True)
         if async_op:
             return UnshardHandle(group)
         group.wait_for_unshard()

@@ -197,6 +197,9 @@ class ParamGroup:
         self.post_forward_group: Any = None
         self.post_forward_size = 0
         self._post_forward_shard: torch.Tensor | None = None
+        # Recorded on the compute stream once the cat that fills it is queued: the
+        # backward all-gather, on its own stream, reads the shard only after that.
+        self._post_forward_ready: Event = None
         self._post_forward_targets: list[torch.Tensor] = []
         # Runtime switches (FSDPModule setters).
         self.reshard_after_backward = True
@@ -340,14 +343,23 @@ class ParamGroup:
     def unshard_pending(self) -> bool:
         return self._all_gather is not None
 
-    def unshard(self) -> None:
+    def unshard(self, *, after_compute: bool = False) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
-        already in flight). Call ``wait_for_unshard`` before using the parameters."""
+        already in flight). Call ``wait_for_unshard`` before using the parameters.
+
+        ``after_compute``: order the all-gather after everything queued on the compute
+        stream so far. The root's pre-forward does this once per step (the optimizer
+        wrote the shards there); an ``unshard()`` called outside that window, e.g. right
+        after ``optimizer.step()``, needs it too, or on an accelerator it could gather
+        shards the optimizer has not finished writing.
+        """
         if self.is_unsharded or self._all_gather is not None:
             return
         comm = self._require_comm()
         stream = comm.streams.all_gather
         post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        if after_compute:
+            wait_stream(stream, comm.streams.compute())
         with use_stream(stream):
             # Memory released by the compute stream may be reused only after it is done.
             wait_event(stream, comm.all_gather_release)
@@ -360,7 +372,8 @@ class ParamGroup:
                 )
             if post_forward:
                 ag_input, group = self._post_forward_shard, self.post_forward_group
-                self._post_forward_shard = None
+                wait_event(stream, self._post_forward_ready)  # written on the compute stream
+                self._post_forward_shard = self._post_forward_ready = None
             else:
                 ag_input = self._all_gather_input(output)
                 group = self.process_group
@@ -427,7 +440,7 @@ class ParamGroup:
             self.wait_for_unshard()  # a collective cannot be cancelled: drain it
         if not self.is_unsharded:
             if not post_forward:
-                self._post_forward_shard = None
+                self._post_forward_shard = self._post_forward_ready = None
                 self.sharded_state = ShardedState.SHARDED
             return
         keep_partial = post_forward and self.post_forward_size > 0
@@ -435,6 +448,7 @@ class ParamGroup:
             index = self._post_forward_index
             chunks = [t[index] for t in self._post_forward_targets]
             self._post_forward_shard = torch.cat(chunks)
+            self._post_forward_ready = record_event(self._require_comm().streams.compute())
         for p in self.params:
             p.register(p.sharded_param)
         if self._gather_in_place:
