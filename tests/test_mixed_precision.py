@@ -98,14 +98,20 @@ def mse32(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 
 
 def cross_impl(
-    reduce_dtype: torch.dtype | None, output_dtype: torch.dtype | None, param_dtype=BF16
+    reduce_dtype: torch.dtype | None,
+    output_dtype: torch.dtype | None,
+    param_dtype=BF16,
+    autocast: bool = False,
 ) -> dict:
-    """Rank function: the same model under fsdp2 and torch with the same policy."""
+    """Rank function: the same model under fsdp2 and torch with the same policy (or, with
+    ``autocast``, no policy and every forward under ``torch.autocast`` in bf16)."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     base = build_net()
     models = {
         impl: shard_net(
-            clone_model(base), impl, **policies(impl, reduce_dtype, output_dtype, param_dtype)
+            clone_model(base),
+            impl,
+            **({} if autocast else policies(impl, reduce_dtype, output_dtype, param_dtype)),
         )
         for impl in IMPLS
     }
@@ -115,7 +121,8 @@ def cross_impl(
         batch = rank_slice(global_batch(step, 2 * ws), rank, ws)
         losses, grads = {}, {}
         for impl, model in models.items():
-            loss = mse32(model, batch)
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                loss = mse32(model, batch)
             loss.backward()
             losses[impl] = loss.detach()
             grads[impl] = {n: full(p.grad) for n, p in model.named_parameters()}
@@ -151,6 +158,15 @@ def test_bitwise_equal_to_torch(param_dtype, reduce_dtype, output_dtype, world_s
         require_impl(impl)
     args = (reduce_dtype, output_dtype, param_dtype)
     for rank, report in enumerate(run_ranks(cross_impl, world_size, *args)):
+        assert not report["mismatches"], f"rank {rank}: not bitwise equal: {report['mismatches']}"
+
+
+def test_autocast_bitwise_equal_to_torch() -> None:
+    """``torch.autocast`` instead of a policy: the unsharded fp32 parameters are cast by
+    autocast inside each forward (and cached for it), exactly as with torch's FSDP2."""
+    for impl in IMPLS:
+        require_impl(impl)
+    for rank, report in enumerate(run_ranks(cross_impl, 2, None, None, BF16, True)):
         assert not report["mismatches"], f"rank {rank}: not bitwise equal: {report['mismatches']}"
 
 
