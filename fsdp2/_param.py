@@ -190,26 +190,40 @@ class ShardedParam:
     ) -> None:
         tp_mesh = param.device_mesh
         root = dp_mesh._get_root_mesh()
-        if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or shard_dim != 0:
+        if tp_mesh.ndim != 1 or shard_dim != 0:
             raise NotImplementedError(
                 f"fully_shard: parameter '{fqn}' is a DTensor on a {tp_mesh.ndim}-D mesh; "
-                f"composing with tensor parallelism supports a 1-D data-parallel mesh, a 1-D "
-                f"TP mesh and dim-0 sharding only (not HSDP or shard_placement_fn)."
+                f"composing with tensor parallelism supports a 1-D TP mesh and dim-0 "
+                f"sharding only (not shard_placement_fn)."
             )
-        # Equal, not identical: torch caches meshes, so a 2-D mesh built again (a new model in
-        # the same process) can come back as an equal but distinct object.
-        if tp_mesh._get_root_mesh() != root or root.ndim != 2 or root is dp_mesh:
+        # The TP dim must be the last dim of the data-parallel mesh's parent. Compared by
+        # ranks, not by the TP mesh's own parent: torch caches sub-meshes, so a mesh built
+        # again in the same process (a new model, a test repeated with another shape) can
+        # hand back a TP mesh whose recorded parent is an earlier, equal-ranked mesh.
+        names = tuple(root.mesh_dim_names or ())
+        dp_names = tuple(dp_mesh.mesh_dim_names or ())
+        if root.ndim != dp_mesh.ndim + 1 or root is dp_mesh or not names:
             raise ValueError(
-                f"fully_shard: parameter '{fqn}' is a DTensor on a mesh that is not the other "
-                f"dimension of the data-parallel mesh's parent. Slice both from one 2-D mesh: "
-                f"world = init_device_mesh(type, (dp, tp), mesh_dim_names=('dp', 'tp')); "
-                f"parallelize_module(..., world['tp'], ...); fully_shard(..., mesh=world['dp'])."
+                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the "
+                f"last dimension of the data-parallel mesh's parent ({root}). Slice both from "
+                f"one mesh with named dims: world = init_device_mesh(type, (dp, tp), "
+                f"mesh_dim_names=('dp', 'tp')); parallelize_module(..., world['tp'], ...); "
+                f"fully_shard(..., mesh=world['dp']) (HSDP: (replicate, shard, tp) and "
+                f"mesh=world['replicate', 'shard'])."
             )
-        names = root.mesh_dim_names or ()
-        if not names or names.index(dp_mesh.mesh_dim_names[0]) != 0:
+        if names[: dp_mesh.ndim] != dp_names:
             raise NotImplementedError(
-                f"fully_shard: parameter '{fqn}': the data-parallel dim must be the outer "
-                f"(first) dim of the 2-D mesh, e.g. mesh_dim_names=('dp', 'tp')."
+                f"fully_shard: parameter '{fqn}': the data-parallel dims must be the outer "
+                f"dims of the mesh, in order, and TP the last one, e.g. mesh_dim_names="
+                f"('dp', 'tp') or ('replicate', 'shard', 'tp'); got {names}."
+            )
+        tp_ranks = root[names[-1]].mesh.tolist()
+        if tp_mesh.mesh.tolist() != tp_ranks or tp_mesh.device_type != root.device_type:
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh} (ranks "
+                f"{tp_mesh.mesh.tolist()}), but the last dim of the data-parallel mesh's "
+                f"parent {root} holds ranks {tp_ranks} here. Use that dim for TP: "
+                f"parallelize_module(..., world['{names[-1]}'], ...)."
             )
         (tp_placement,) = param.placements
         if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
@@ -220,7 +234,9 @@ class ShardedParam:
         self.tp_mesh = tp_mesh
         self.tp_placements = (tp_placement,)
         self.dtensor_mesh = root
-        self.placements = (dp_placement, tp_placement)
+        # HSDP + TP: replicated over the outer dim, sharded over the middle one.
+        replicated = tuple(Replicate() for _ in range(dp_mesh.ndim - 1))
+        self.placements = (*replicated, dp_placement, tp_placement)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

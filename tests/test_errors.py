@@ -188,6 +188,21 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def unused_params_not_bool() -> None:
         _sharded_root().set_reduce_scatter_unused_params(1)  # type: ignore[arg-type]
 
+    def tp_mesh_outside_dp_parent() -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        block = Block()
+        parallelize_module(block, _mesh(), {"lin": ColwiseParallel()})  # its own 1-D mesh
+        fsdp2.fully_shard(block, mesh=_mesh())
+
+    def tp_on_an_outer_dim() -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        world = init_device_mesh("cpu", (2, 1), mesh_dim_names=("tp", "dp"))
+        block = Block()
+        parallelize_module(block, world["tp"], {"lin": ColwiseParallel()})
+        fsdp2.fully_shard(block, mesh=world["dp"])
+
     return {
         name: fn
         for name, fn in locals().items()
@@ -264,6 +279,11 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "NotImplementedError",
         r"parameter 'lin\.weight' is a tensor subclass \(Extended\) with fsdp_pre_all_gather",
     ),
+    "tp_mesh_outside_dp_parent": (
+        "ValueError",
+        r"'lin\.weight' is a DTensor on .*not the last dimension of the data-parallel",
+    ),
+    "tp_on_an_outer_dim": ("NotImplementedError", r"'lin\.weight'.*data-parallel dims must be"),
     "unused_params_not_bool": ("ValueError", r"set_reduce_scatter_unused_params expects a bool"),
 }
 

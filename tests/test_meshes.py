@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 
 import pytest
 import torch
@@ -302,14 +303,20 @@ def _tp_plan() -> dict:
     }
 
 
-def _train_fsdp_tp(impls: tuple[str, ...]) -> dict:
-    """2 (dp) x 2 (tp): TP inside each block, FSDP over dp; SGD so that the comparison
-    with the reference is not dominated by Adam's normalization of near-zero gradients."""
+def _train_fsdp_tp(impls: tuple[str, ...], dp_shape: tuple[int, ...] = (2,)) -> dict:
+    """``dp_shape`` (dp, or HSDP's replicate x shard) x 2 (tp): TP inside each block, FSDP
+    over dp; SGD so that the comparison with the reference is not dominated by Adam's
+    normalization of near-zero gradients."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     case = ParityCase(steps=3)
-    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = world["dp"].get_local_rank()
+    dp_names = ("dp",) if len(dp_shape) == 1 else ("replicate", "shard")
+    world = init_device_mesh("cpu", (*dp_shape, 2), mesh_dim_names=(*dp_names, "tp"))
+    dp_mesh = world[dp_names[0]] if len(dp_names) == 1 else world[dp_names]
+    dp_rank = 0
+    for dim in range(len(dp_shape)):  # this rank's data slice: row-major over the dp dims
+        dp_rank = dp_rank * dp_shape[dim] + dp_mesh.get_local_rank(dim)
+    dp_size = math.prod(dp_shape)
     ref = build_model(case)
     models = {}
     log: list[tuple[str, int]] = []
@@ -319,13 +326,13 @@ def _train_fsdp_tp(impls: tuple[str, ...]) -> dict:
             block.attention.n_heads //= 2  # heads per TP rank
             block.attention.n_kv_heads //= 2
             parallelize_module(block, world["tp"], _tp_plan())
-            get_fully_shard(impl)(block, mesh=world["dp"])
-        get_fully_shard(impl)(model, mesh=world["dp"])
+            get_fully_shard(impl)(block, mesh=dp_mesh)
+        get_fully_shard(impl)(model, mesh=dp_mesh)
         models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.5))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     worst: dict[str, list[float]] = {impl: [] for impl in impls}
     for step in range(case.steps):
-        batch = make_global_batch(case, step, 2)
+        batch = make_global_batch(case, step, dp_size)
         for impl, (model, opt) in models.items():
             if impl == "fsdp2" and step == case.steps - 1:
                 _record_collectives(log)
@@ -362,6 +369,25 @@ def test_fsdp_with_tensor_parallel_2x2() -> None:
         counts = rep["collectives"]
         assert counts[("all_gather", 2)] >= N_GROUPS and counts[("reduce_scatter", 2)] == N_GROUPS
         assert counts[("all_gather", 4)] == 0 and counts[("reduce_scatter", 4)] == 0
+
+
+@pytest.mark.parametrize("dp_shape", [(2, 1), (1, 2)], ids=["replicate2", "shard2"])
+def test_hsdp_with_tensor_parallel(dp_shape: tuple[int, int]) -> None:
+    """HSDP + TP on a (replicate, shard, tp) mesh: 3-D DTensor shards, parity with the
+    reference and bitwise with torch (4 ranks: one of the two data-parallel dims is 1)."""
+    reports = run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"), dp_shape)
+    for rank, rep in enumerate(reports):
+        for impl, diffs in rep["worst"].items():
+            assert max(diffs) <= TOL, f"rank {rank} {impl}: max diff {max(diffs):.3g}"
+        assert rep["bitwise_equal"], f"rank {rank}: fsdp2 and torch differ"
+        assert rep["mesh_ndim"] == 3
+        assert rep["placements"] == ["Replicate", "_StridedShard", "Shard"]
+        # Reduce-scatter over the shard dim, all-reduce over the replicate dim (a dim of
+        # one rank needs neither).
+        counts = rep["collectives"]
+        replicate, shard = dp_shape
+        assert counts[("reduce_scatter", 2)] == (N_GROUPS if shard == 2 else 0), counts
+        assert counts[("all_reduce", 2)] == (N_GROUPS if replicate == 2 else 0), counts
 
 
 def _tp_mesh_built_twice() -> dict:
