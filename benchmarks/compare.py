@@ -39,7 +39,14 @@ from torch import nn  # noqa: E402
 
 from benchmarks.analysis import PLAIN, sum_local, summarize  # noqa: E402
 from benchmarks.comm import CollectiveCounter  # noqa: E402
-from benchmarks.configs import CONFIGS, BenchConfig, load_impl, quick_version, shard_kwargs  # noqa: E402
+from benchmarks.configs import (  # noqa: E402
+    CONFIGS,
+    BenchConfig,
+    default_config_names,
+    load_impl,
+    quick_version,
+    shard_kwargs,
+)
 from benchmarks.memory import StepProbe, reachable_tensors  # noqa: E402
 from benchmarks.meta import host_info, sources  # noqa: E402
 from examples.llama import ModelArgs, Transformer, loss_fn, parallelize  # noqa: E402
@@ -666,7 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.report import format_entry
 
     names = (
-        list(CONFIGS) if args.all_configs or args.full else (args.config or "small-many").split(",")
+        default_config_names(args.device)
+        if args.all_configs or args.full
+        else (args.config or "small-many").split(",")
     )
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:

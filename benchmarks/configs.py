@@ -25,6 +25,8 @@ class BenchConfig:
     cpu_offload: bool = False
     batch: int | None = None  # sequences per rank per microbatch (None: --batch)
     seq: int | None = None  # sequence length (None: --seq)
+    # Sized for an accelerator: left out of --all-configs / --full on the CPU.
+    accelerator_only: bool = False
 
     def with_overrides(self, **kw: Any) -> BenchConfig:
         kw = {k: v for k, v in kw.items() if v is not None}
@@ -67,8 +69,25 @@ CONFIGS: dict[str, BenchConfig] = {
             grad_accum=4,
         ),
         BenchConfig("cpu-offload", "CPUOffloadPolicy()", cpu_offload=True),
+        BenchConfig(
+            "gpu-1b",
+            "~0.94B-parameter Llama, bf16 policy, sequence 2048: the GPU step-time target",
+            n_layers=16,
+            dim=2048,
+            n_heads=16,
+            vocab_size=32000,
+            mixed_precision=True,
+            batch=1,
+            seq=2048,
+            accelerator_only=True,
+        ),
     )
 }
+
+
+def default_config_names(device: str) -> list[str]:
+    """What --all-configs / --full run on ``device``: accelerator-sized configs on a GPU only."""
+    return [n for n, c in CONFIGS.items() if device != "cpu" or not c.accelerator_only]
 
 
 def quick_version(cfg: BenchConfig) -> BenchConfig:

@@ -205,6 +205,21 @@ def targets(runs: list[dict]) -> list[dict[str, Any]]:
                 + excess,
             )
         )
+    for e in ok:  # the GPU target: one NCCL rank, a model that fills the card
+        if e.get("fake") or e.get("backend") != "nccl" or e.get("world_size") != 1:
+            continue
+        a, b, _, _ = pair(e)
+        r = _div(_get(a, "time", "step_s"), _get(b, "time", "step_s"))
+        m = _div(_get(a, "memory", "cuda_peak_bytes"), _get(b, "memory", "cuda_peak_bytes"))
+        out.append(
+            _target(
+                f"GPU step time and peak (max_memory_allocated), {where(e)}",
+                None if r is None or m is None else max(r, m),
+                "<= 1.00 (both)",
+                None if r is None or m is None else r <= 1.0 and m <= 1.0,
+                f"step {_f(r)}, peak {_f(m)}",
+            )
+        )
     for e in ok:
         if not (e.get("fake") and e.get("world_size") == 1024):
             continue

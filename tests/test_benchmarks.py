@@ -154,3 +154,28 @@ def test_cuda_mode_fails_clearly_without_gpu() -> None:
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="no CUDA device"):
         compare.main(["--device", "cuda", "--quick"])
+
+
+def test_gpu_config_only_on_accelerators_and_its_target() -> None:
+    from benchmarks.configs import default_config_names
+    from benchmarks.targets import targets
+
+    assert "gpu-1b" not in default_config_names("cpu")
+    assert "gpu-1b" in default_config_names("cuda")
+    entry = {
+        "config": "gpu-1b",
+        "backend": "nccl",
+        "world_size": 1,
+        "fake": False,
+        "impls": list(IMPLS),
+        "model": {"n_layers": 16},
+        "results": {
+            "fsdp2": {"time": {"step_s": 0.9}, "memory": {"cuda_peak_bytes": 10}},
+            "torch": {"time": {"step_s": 1.0}, "memory": {"cuda_peak_bytes": 11}},
+        },
+    }
+    (row,) = [t for t in targets([entry]) if t["target"].startswith("GPU")]
+    assert row["met"] is True and row["value"] == pytest.approx(10 / 11)
+    entry["results"]["fsdp2"]["memory"]["cuda_peak_bytes"] = 12
+    (row,) = [t for t in targets([entry]) if t["target"].startswith("GPU")]
+    assert row["met"] is False
