@@ -1,0 +1,197 @@
+"""Training checks that run unchanged on the CPU (gloo) and on a CUDA device (NCCL).
+
+Run as a fresh process, one phase per run, so that CUDA is never initialized in the pytest
+process (whose rank pools fork) and each phase gets a clean process group::
+
+    python tests/_device_checks.py --device cuda --phase one-rank
+    python tests/_device_checks.py --device cuda --phase fake-4
+
+It prints one JSON object on its last line. ``tests/test_device.py`` runs both phases on the
+CPU in every suite (so this script cannot rot on machines without a GPU) and on CUDA when a
+GPU is visible (marked ``gpu``).
+
+* ``one-rank``: a real 1-rank process group (NCCL on CUDA). fsdp2, torch's ``fully_shard``
+  and a non-sharded copy train the same Llama-style model for a few steps with the same
+  batches, in fp32 and with a bf16 policy; an explicit ``unshard()`` right after the
+  optimizer step (the all-gather must wait for the optimizer's writes on the compute
+  stream) and an inference pass sit between steps. Reported: the worst parameter
+  difference against the reference (fp32) and against torch (bf16), and on CUDA the
+  allocated memory after every step (it must not grow) and each implementation's peak.
+* ``fake-4``: torch's fake process group of 4 ranks, so the multi-rank paths (copy-out
+  from the rank-major all-gather output, reduce-scatter input, the side streams) run on
+  the device; the collectives move no data, so only completion and counts are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import fsdp2  # noqa: E402
+from examples.llama import ModelArgs, Transformer, loss_fn, parallelize  # noqa: E402
+
+STEPS = 4
+ARGS = ModelArgs(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+
+def _batches(device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(0, ARGS.vocab_size, (2, 32), generator=gen).to(device) for _ in range(STEPS)
+    ]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(
+        (_full(p.detach()).float() - _full(q.detach()).float()).abs().max().item()
+        for p, q in zip(a.parameters(), b.parameters())
+    )
+
+
+def _shard(model: torch.nn.Module, fully_shard: Any, policy_cls: Any, bf16: bool, mesh) -> None:
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if bf16:
+        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    parallelize(model, fully_shard, **kwargs)
+
+
+def one_rank(device: torch.device) -> dict[str, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    cuda = device.type == "cuda"
+    backend = "nccl" if cuda else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        mesh = init_device_mesh(device.type, (1,))
+        report: dict[str, Any] = {}
+        for bf16 in (False, True):
+            torch.manual_seed(0)
+            base = Transformer(ARGS)
+            base.init_weights(0)
+            models = {"plain": copy.deepcopy(base).to(device)}
+            for name, shard_fn, policy in (
+                ("fsdp2", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
+                ("torch", torch_fully_shard, TorchPolicy),
+            ):
+                model = copy.deepcopy(base).to(device)
+                _shard(model, shard_fn, policy, bf16, mesh)
+                models[name] = model
+            optims = {
+                name: torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False)
+                for name, m in models.items()
+            }
+            memory: dict[str, list[int]] = {name: [] for name in models}
+            peaks: dict[str, int] = {}
+            for tokens in _batches(device):
+                for name, model in models.items():
+                    if name == "plain" and bf16:
+                        continue  # the bf16 comparison is fsdp2 against torch
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        start = torch.cuda.memory_allocated()
+                    loss_fn(model(tokens), tokens).backward()
+                    optims[name].step()
+                    optims[name].zero_grad()
+                    if name != "plain":
+                        model.unshard()  # right after the optimizer: must see its writes
+                        model.reshard()
+                    with torch.no_grad():
+                        model(tokens)  # inference between steps
+                    if cuda:
+                        torch.cuda.synchronize()
+                        peaks[name] = max(
+                            peaks.get(name, 0), torch.cuda.max_memory_allocated() - start
+                        )
+                        memory[name].append(torch.cuda.memory_allocated())
+            for name, model in models.items():
+                if name != "plain":
+                    model.reshard()  # torch keeps the root unsharded after a no_grad forward
+            key = "bf16" if bf16 else "fp32"
+            if not bf16:
+                report[f"{key}_fsdp2_vs_plain"] = _max_diff(models["fsdp2"], models["plain"])
+                report[f"{key}_torch_vs_plain"] = _max_diff(models["torch"], models["plain"])
+            report[f"{key}_fsdp2_vs_torch"] = _max_diff(models["fsdp2"], models["torch"])
+            if cuda:
+                report[f"{key}_allocated_per_step"] = {n: m for n, m in memory.items() if m}
+                report[f"{key}_step_peak_bytes"] = peaks
+            del models, optims
+        dist.destroy_process_group()
+    return report
+
+
+def fake_four(device: torch.device) -> dict[str, Any]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    mesh = init_device_mesh(device.type, (4,))
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    originals = {}
+    for kind, names in (
+        ("all_gather", ("all_gather_single", "all_gather_into_tensor")),
+        ("reduce_scatter", ("reduce_scatter_single", "reduce_scatter_tensor")),
+    ):
+        for name in names:
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+            originals[name] = original
+
+            def counted(*args: Any, _kind: str = kind, _orig: Any = original, **kwargs: Any):
+                counts[_kind] += 1
+                return _orig(*args, **kwargs)
+
+            setattr(dist, name, counted)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(ARGS).to(device)
+        parallelize(model, fsdp2.fully_shard, mesh=mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for tokens in _batches(device)[:2]:
+            loss = loss_fn(model(tokens), tokens)
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        finite = bool(torch.isfinite(loss).item())
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        dist.destroy_process_group()
+    return {"counts": counts, "steps": 2, "groups": ARGS.n_layers + 1, "loss_finite": finite}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--phase", choices=("one-rank", "fake-4"), required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    result = one_rank(device) if args.phase == "one-rank" else fake_four(device)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
