@@ -44,11 +44,25 @@ so each local tensor is a DLPack alias of its slot: the same memory, a storage o
 that starts at the slot (offset 0) and keeps the flat buffer alive. The flat shard buffer is
 never resized or swapped, so the alias stays valid for the buffer's lifetime; tensors on the
 meta device have no memory and stay plain views.
+
+[Note: weights tied after sharding]
+torchtitan ties weights after sharding: ``model.output.weight = model.tok_embeddings.weight``,
+where both are already sharded ``DTensor`` parameters, possibly of different groups. The
+parameter whose registration was replaced (the *tied* one) adopts the other's ``DTensor`` at
+the next ``ensure_shards_bound`` (lazy init) but keeps its own slot in its own group's flat
+buffer, because the ``DTensor``'s local tensor can alias only one slot: that of the
+parameter it came from (the *owner*), which the optimizer updates. Before each all-gather
+of its group the tied parameter's slot is refreshed from the owner's local tensor (one
+copy per tied parameter; groups without one skip it). Each use is unsharded and
+reduce-scattered by its own group, and both reductions accumulate into the one ``DTensor``
+gradient, as in non-sharded training. Tying before sharding needs none of this: the
+parameter is managed once, with every use recorded.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -59,6 +73,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 # (module, attribute name): one place a parameter is registered. Tied weights have several.
 Use = tuple[nn.Module, str]
+
+# id of each live sharded parameter -> the ShardedParam whose slot its local tensor aliases;
+# read when a module attribute is set to another parameter's DTensor (see
+# [Note: weights tied after sharding]). Keyed by id, not weakly by tensor: weak references
+# to parameters would break ``torch.utils.swap_tensors`` in ``module._apply``.
+_SHARD_OWNERS: weakref.WeakValueDictionary[int, ShardedParam] = weakref.WeakValueDictionary()
+
+
+def owner_of(param: torch.Tensor) -> ShardedParam | None:
+    """The ShardedParam whose slot ``param`` (a sharded DTensor parameter) aliases."""
+    owner = _SHARD_OWNERS.get(id(param))
+    return owner if owner is not None and owner.sharded_param is param else None
 
 
 def typed_slice(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,6 +210,8 @@ class ShardedParam:
         self.offset = self.shard_offset = self.gather_offset = offset
         self.unsharded_param = None
         self.accumulated_grad = None
+        # The parameter whose DTensor this one adopted ([Note: weights tied after sharding]).
+        self.tied_to: ShardedParam | None = None
 
     def _init_tensor_parallel(
         self, param: DTensor, dp_mesh: DeviceMesh, fqn: str, shard_dim: int
@@ -301,6 +329,7 @@ class ShardedParam:
             stride=_contiguous_stride(self.global_shape),
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=requires_grad)
+        _SHARD_OWNERS[id(self.sharded_param)] = self
         # Gradients share the parameter's spec (mesh, placements, global shape). Building
         # it once here and wrapping each step's gradient with the DTensor constructor
         # costs ~5 us per parameter; ``from_local`` recomputes it (~0.4 ms at 256 ranks).
@@ -315,6 +344,8 @@ class ShardedParam:
     def points_into(self, flat_shard: torch.Tensor) -> bool:
         """Whether the local tensor is still our view (``.to()``/``assign=True`` replace it)."""
         local = self.local_tensor()
+        if self.tied_to is not None:  # the owner's view: our slot only mirrors it
+            return local.device == flat_shard.device and local.dtype == self.dtype
         if self.local_rows == 0:
             return local.device == flat_shard.device and local.dtype == self.dtype
         # Addresses and metadata only, no view: this also runs under torch.func transforms.
@@ -341,6 +372,8 @@ class ShardedParam:
         if local.device.type != "meta" and self.local_rows > 0:
             with torch.no_grad():
                 view.copy_(local)
+        if self.tied_to is not None:
+            return  # the DTensor stays the owner's view
         self.sharded_param._local_tensor = view
         self._spec = self.sharded_param._spec  # module.to(dtype) may have changed it
 
@@ -371,10 +404,26 @@ class ShardedParam:
                 f"{tuple(self.global_shape)}, placements {tuple(self.placements)} on "
                 f"{self.dtensor_mesh}."
             )
+        owner = owner_of(current)
+        if owner is not None and owner is not self:
+            # Another parameter's shard: tie to it ([Note: weights tied after sharding]).
+            self.tied_to = owner
+            self.sharded_param = current
+            self.register(current)
+            return
         if not isinstance(current, nn.Parameter):
             current = nn.Parameter(current, requires_grad=self.sharded_param.requires_grad)
+        self.tied_to = None
         self.sharded_param = current
+        _SHARD_OWNERS[id(current)] = self
         self.register(current)
+
+    def refresh_tied(self, flat_shard: torch.Tensor) -> None:
+        """Copy the owner's current shard into our slot of ``flat_shard`` (a tied
+        parameter, before its group's all-gather)."""
+        if self.local_rows > 0:
+            with torch.no_grad():
+                self.local_view(flat_shard).copy_(self.local_tensor())
 
     def register(self, param: nn.Parameter) -> None:
         """Make ``param`` the module attribute at every use (a dict write, no hooks)."""

@@ -192,6 +192,9 @@ class ParamGroup:
         # all-gather (or, for one rank, the cast or copy that replaces it) writes straight
         # into the unsharded buffer, with no copy-out.
         self._gather_in_place = len(params) == 1 or self.world_size == 1
+        # Parameters tied after sharding to another's DTensor: their slots are refreshed
+        # before each all-gather (see [Note: weights tied after sharding] in ``_param``).
+        self._tied: list[ShardedParam] = []
         self._all_gather: AllGatherInFlight | None = None
         # reshard_after_forward=int (see ``set_post_forward_group``).
         self.post_forward_group: Any = None
@@ -318,6 +321,7 @@ class ParamGroup:
         if not self.is_unsharded:
             for p in self.params:
                 p.adopt_assigned()
+            self._tied = [p for p in self.params if p.tied_to is not None]
         if all(p.points_into(self.flat_shard) for p in self.params):
             return
         local = [p.local_tensor() for p in self.params]
@@ -375,6 +379,8 @@ class ParamGroup:
                 wait_event(stream, self._post_forward_ready)  # written on the compute stream
                 self._post_forward_shard = self._post_forward_ready = None
             else:
+                for p in self._tied:
+                    p.refresh_tied(self.flat_shard)
                 ag_input = self._all_gather_input(output)
                 group = self.process_group
             if self.world_size == 1:

@@ -230,6 +230,10 @@ class ParityCase:
     vocab_size: int = 64
     seq_len: int = 16
     tie_embeddings: bool = False
+    # With tie_embeddings: shard an untied copy and tie ``output.weight`` to
+    # ``tok_embeddings.weight`` afterwards, as torchtitan does. "root": both in the root
+    # group; "groups": torchtitan's wrapping (embeddings, each block, [norm, output], root).
+    tie_after_shard: str | None = None
     # None: plain blocks; "reentrant" / "non_reentrant": torch.utils.checkpoint per block.
     checkpoint: str | None = None
     # fnmatch patterns of parameter names to freeze (requires_grad_(False)) before sharding.
@@ -280,6 +284,8 @@ def shard_model(model: nn.Module, case: ParityCase, impl: str, mesh) -> nn.Modul
     """Wrap the children that form their own FSDP groups, then the root."""
     fully_shard = get_fully_shard(impl)
     kw = {"mesh": mesh, "reshard_after_forward": case.reshard_after_forward}
+    if case.model == "llama" and case.tie_after_shard is not None:
+        return _shard_then_tie(model, case.tie_after_shard, fully_shard, kw)
     if case.model == "llama":
         return parallelize(model, fully_shard, **kw)
     if case.model == "mlp":
@@ -292,6 +298,23 @@ def shard_model(model: nn.Module, case: ParityCase, impl: str, mesh) -> nn.Modul
     elif case.model == "called_twice":
         fully_shard(model.block, **kw)
     fully_shard(model, **kw)
+    return model
+
+
+def _shard_then_tie(model: nn.Module, wrapping: str, fully_shard, kw: dict) -> nn.Module:
+    """torchtitan's weight tying: shard the model with an untied output projection (same
+    values), then make ``output.weight`` the sharded embedding weight."""
+    model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())
+    if wrapping == "groups":
+        fully_shard(model.tok_embeddings, **kw)
+    for block in model.layers:
+        fully_shard(block, **kw)
+    if wrapping == "groups":
+        fully_shard([model.norm, model.output], **{**kw, "reshard_after_forward": False})
+    elif wrapping != "root":
+        raise ValueError(f"unknown tie_after_shard {wrapping!r}")
+    fully_shard(model, **kw)
+    model.output.weight = model.tok_embeddings.weight
     return model
 
 

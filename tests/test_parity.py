@@ -110,6 +110,23 @@ def test_tied_embeddings(impl: str, world_size: int, reshard: bool | None) -> No
     assert reports[0]["steps"], "no steps ran"
 
 
+@pytest.mark.parametrize(
+    "impl,world_size",
+    # torch's fully_shard keeps the tie only where shards need no padding (vocab 64 splits
+    # evenly over 2 ranks, not over 3); fsdp2 keeps it everywhere.
+    [("fsdp2", 2), ("torch", 2), ("fsdp2", 3)],
+    ids=["fsdp2-ws2", "torch-ws2", "fsdp2-ws3"],
+)
+@pytest.mark.parametrize("wrapping", ["root", "groups"])
+def test_weights_tied_after_sharding(impl: str, world_size: int, wrapping: str) -> None:
+    # torchtitan ties ``output.weight = tok_embeddings.weight`` after fully_shard: the two
+    # groups keep one sharded parameter, whose gradient sums both uses.
+    case = ParityCase(
+        impl=impl, tie_embeddings=True, tie_after_shard=wrapping, reshard_after_forward=True
+    )
+    _run(case, world_size)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "model,world_size,max_norm", [("llama", 2, 0.05), ("mlp", 4, 0.02)], ids=["llama", "mlp"]
