@@ -21,6 +21,7 @@ from fsdp2._init import (
     check_param_device,
     check_reshard_after_forward_type,
     collect_params,
+    mark_composable,
     mark_managed,
     mesh_device,
     move_states_to_device,
@@ -139,6 +140,7 @@ def fully_shard(
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
         m.__class__ = _fsdp_class(type(m))
+    mark_composable(modules)
     return list(modules) if isinstance(module, (list, tuple)) else modules[0]  # type: ignore[return-value]
 
 

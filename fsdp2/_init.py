@@ -9,6 +9,7 @@ weights) is managed once, with every registration recorded so all of them are sw
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -229,6 +230,33 @@ def _validate_ignored(
 def mark_managed(params: Iterable[nn.Parameter], label: str) -> None:
     for p in params:
         setattr(p, _OWNER_ATTR, label)
+
+
+def mark_composable(modules: tuple[nn.Module, ...]) -> None:
+    """Record ``fully_shard`` in the registry of torch's composable distributed APIs
+    (``torch.distributed._composable``), as torch's own ``fully_shard`` does. torch's
+    ``replicate()`` reads it to leave sharded submodules alone; without the entry it would
+    turn our ``DTensor`` shards into plain local parameters and all-reduce their gradients.
+    """
+    contract = _composable_contract()
+    if contract is None:
+        return
+    item = contract.RegistryItem()
+    for module in modules:
+        registry = module.__dict__.setdefault(contract.REGISTRY_KEY, {})
+        registry.setdefault("fully_shard", item)
+
+
+def _composable_contract() -> Any:
+    """torch's ``_composable.contract`` module, or None where it lacks the registry."""
+    try:
+        # The package re-exports the decorator under the module's name: import the module.
+        contract = importlib.import_module("torch.distributed._composable.contract")
+    except ImportError:
+        return None
+    if not hasattr(contract, "REGISTRY_KEY") or not hasattr(contract, "RegistryItem"):
+        return None
+    return contract
 
 
 def move_states_to_device(modules: tuple[nn.Module, ...], device: torch.device) -> None:
