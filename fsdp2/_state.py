@@ -102,6 +102,7 @@ class FSDPState:
         self.unshard_in_backward = True
         self._forward_positions: list[int] = []
         self._pending_backward_calls = 0  # forward calls whose post-backward has not run
+        self._post_backward_done = False  # in this backward; reset by the final callback
         self._backward_epoch = 0  # +1 whenever the count above is reset
         self._recompute_registers_backward = False
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
@@ -411,6 +412,7 @@ class FSDPState:
                 group.reduce_grads()
             else:
                 group.accumulate_unsynced()
+        self._post_backward_done = True
         self.training_state = TrainingState.IDLE
 
     @_run_eagerly
@@ -421,12 +423,15 @@ class FSDPState:
             raise AssertionError("final callback before lazy init")
         for state in tree.states:
             group = state.group
-            needs_post_backward = state._pending_backward_calls > 0 or (
-                group is not None and (group.is_unsharded or group.unshard_pending)
-            )
-            if needs_post_backward:
+            gathered = group is not None and (group.is_unsharded or group.unshard_pending)
+            if state._pending_backward_calls > 0 or (gathered and not state._post_backward_done):
                 state._pending_backward_calls = 1
                 state.post_backward()
+            elif group is not None and gathered and group.reshard_after_backward:
+                # Gathered again after its post-backward (a backward prefetch nothing
+                # used): free it; its gradients were reduced already.
+                group.reshard()
+            state._post_backward_done = False
             state._backward_epoch += 1
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
@@ -449,6 +454,7 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
             state._pending_backward_calls = 0
+            state._post_backward_done = False
             state._backward_epoch += 1
             state._modules_to_run.clear()
             if state.group is not None:

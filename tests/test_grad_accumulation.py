@@ -5,7 +5,9 @@ Every rank runs ``N_MICRO`` microbatches per optimizer step; the reference (one 
 model) trains on the concatenation of every rank's microbatches, so after each step the
 parameters must match within 1e-5. Collectives are intercepted and counted per step:
 
-* reduce-scatters: one per group per step when only the last microbatch syncs;
+* reduce-scatters: one per group per step when only the last microbatch syncs, one per
+  group per microbatch when every microbatch syncs (also when groups stay unsharded
+  between microbatches);
 * all-gathers, with ``G`` groups of which ``L`` (the blocks) reshard after forward (the
   root keeps its parameters, ``reshard_after_forward=None``):
 
@@ -63,6 +65,9 @@ VARIANTS = {
     "no_reshard_until_last_backward": (False, False, False, False, G, G),
     "is_last_backward": (True, None, False, True, N_MICRO * (G + L), G),
     "sync_every_microbatch": (True, None, True, True, N_MICRO * (G + L), N_MICRO * G),
+    # Groups kept unsharded after a synced backward still reduce once per backward (the end
+    # of backward must not run their post-backward a second time).
+    "sync_every_microbatch_unsharded": (False, None, True, False, G + N_MICRO * L, N_MICRO * G),
 }
 
 
