@@ -5,11 +5,11 @@ Timeline of one training step for a tree sharded bottom-up (blocks, then the roo
 - root pre-forward: lazy init on the first call (find the tree, pick defaults, build the
   groups' buffers); start a fresh forward order.
 - each pre-forward: all-gather the group (or wait for a prefetched one), register the
-  unsharded parameters, attach the post-backward trigger to the inputs, record the order.
-- each post-forward: reshard if ``reshard_after_forward``; attach the pre-backward
-  trigger to the outputs.
+  unsharded parameters, attach the post-backward trigger to the inputs.
+- each post-forward: reshard if ``reshard_after_forward``; record the order; attach the
+  pre-backward trigger to the outputs.
 - pre-backward (first gradient of an output): unshard again if resharded, and prefetch
-  the group that ran just before this one in forward (the recorded order, reversed).
+  the group whose forward ended just before this one's (the recorded order, reversed).
 - post-backward (gradients of the inputs done): reduce-scatter gradients, reshard.
 - final callback (end of backward): finish groups whose post-backward did not run
   (inputs without grad, unused outputs), wait for outstanding reductions, reset state.
@@ -65,7 +65,7 @@ class TreeContext:
         self.root = root
         self.states = states
         self.comm = comm
-        self.forward_order: list[FSDPState] = []  # states, in pre-forward order, with repeats
+        self.forward_order: list[FSDPState] = []  # states, in post-forward order, with repeats
         self.in_backward = False
         self.callback_queued = False
         # False until the root's first forward: a tree that ``unshard()`` on a submodule
@@ -249,13 +249,22 @@ class FSDPState:
 
     def _end_forward(self, output: Any) -> Any:
         """Reshard if configured (always without grad: no backward will need the
-        parameters) and arm the pre-backward trigger on ``output``."""
+        parameters), record the forward order and arm the pre-backward trigger on
+        ``output``."""
         group = self.group
         grad_enabled = torch.is_grad_enabled()
         if group is not None and (self.reshard_after_forward or not grad_enabled):
             group.reshard(post_forward=grad_enabled)
         self.training_state = TrainingState.IDLE
-        return self._attach_pre_backward(output) if grad_enabled else output
+        if not grad_enabled:
+            return output
+        # Recorded when the forward ends, not when it starts: backward runs in the reverse
+        # of this order (a block before the FSDP submodules inside it, the root first).
+        tree = self.tree
+        if tree is not None:
+            tree.forward_order.append(self)
+            self._forward_positions.append(len(tree.forward_order) - 1)
+        return self._attach_pre_backward(output)
 
     def pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -283,8 +292,6 @@ class FSDPState:
         if self.is_root:
             self._root_pre_forward()
         self.training_state = TrainingState.FORWARD
-        tree.forward_order.append(self)
-        self._forward_positions.append(len(tree.forward_order) - 1)
         if group is not None:
             group.unshard()
             for target in self.forward_prefetch or ():
@@ -379,7 +386,7 @@ class FSDPState:
         if self.backward_prefetch is not None:
             targets = self.backward_prefetch
         else:
-            # The group that ran just before this one in forward runs next in backward.
+            # The group whose forward ended just before this one's runs next in backward.
             previous = position - 1
             while previous >= 0 and tree.forward_order[previous] is self:
                 previous -= 1

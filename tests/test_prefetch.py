@@ -18,16 +18,24 @@ Parameters must match the unsharded reference within 1e-5 in every mode. A prefe
 group already gathered (or in flight) is a no-op, which is why e.g. block 1 of
 ``next_two`` only issues block 3's all-gather.
 
+``test_default_backward_prefetch_nested`` shards a submodule inside each block: backward
+needs a block's own parameters before its inner module's, so the default prefetch must
+follow the order in which forwards *finished* (inner, block, ..., root), read backwards,
+and the root prefetches the last block.
+
 The docs example (the first ```python block of docs/prefetch.md) runs on 2 ranks too.
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import pytest
+import torch
 import torch.distributed as dist
 from _control_helpers import (
+    IN_DIM,
     TOL,
     CollectiveLog,
     adamw,
@@ -42,9 +50,10 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, require_impl
+from _helpers import IMPLS, deterministic_init, get_fully_shard, make_mesh, require_impl
 from _launcher import run_ranks
 from test_grad_accumulation import exec_doc_example, first_python_block
+from torch import nn
 
 AG = "AG:blocks.{}".format
 RS = "RS:blocks.{}".format
@@ -121,6 +130,85 @@ def test_prefetch_schedule(impl: str, mode: str) -> None:
             )
             name, diff = e["param_worst"]
             assert diff <= TOL, f"{where} parameter {name} differs from the reference by {diff:.3g}"
+
+
+class Outer(nn.Module):
+    """A block whose ``inner`` layer is its own group: backward uses ``down`` (the block's
+    group) before ``inner``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.inner = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.inner(torch.tanh(self.up(x)))))
+
+
+class NestedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN_DIM, 16)
+        self.blocks = nn.ModuleList([Outer(16, 8), Outer(16, 12)])
+        self.head = nn.Linear(16, IN_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def nested_group_of(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] != "blocks":
+        return "root"
+    return ".".join(parts[:3]) if parts[2] == "inner" else ".".join(parts[:2])
+
+
+def nested_prefetch(impl: str) -> dict:
+    """Rank function: the all-gathers issued in backward, in issue order."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = NestedNet()
+    deterministic_init(ref, 0)
+    model = clone_model(ref)
+    fully_shard, mesh = get_fully_shard(impl), make_mesh()
+    for block in model.blocks:
+        fully_shard(block.inner, mesh=mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    numels: dict[str, int] = {}
+    for name, p in ref.named_parameters():
+        group = nested_group_of(name)
+        per_rank = math.ceil(p.shape[0] / ws) * math.prod(p.shape[1:])
+        numels[group] = numels.get(group, 0) + per_rank
+    ref_opt, opt = adamw(ref), adamw(model)
+    with CollectiveLog({n: g for g, n in numels.items()}) as log:
+        for step in range(2):
+            batch = global_batch(step, 2 * ws)
+            reference_step(ref, ref_opt, batch)
+            loss = mse(model, rank_slice(batch, rank, ws))
+            log.phase = f"backward{step}"
+            loss.backward()
+            log.phase = ""
+            opt.step()
+            opt.zero_grad()
+    return {
+        "backward": [log.groups("AG", f"backward{step}") for step in range(2)],
+        "param_worst": max_param_diff(ref, model),
+    }
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_default_backward_prefetch_nested(impl: str) -> None:
+    require_impl(impl)
+    expected = ["blocks.1", "blocks.1.inner", "blocks.0", "blocks.0.inner"]
+    for rank, report in enumerate(run_ranks(nested_prefetch, 2, impl)):
+        for step, gathers in enumerate(report["backward"]):
+            assert gathers == expected, f"[{impl}, rank {rank}, step {step}] {gathers}"
+        name, diff = report["param_worst"]
+        assert diff <= TOL, f"[{impl}, rank {rank}] {name} differs by {diff:.3g}"
 
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "prefetch.md"
