@@ -91,6 +91,23 @@ from fsdp2._stream_utils import (
 )
 
 
+def _outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with ``torch.func`` transforms (jvp, vmap, grad) switched off when one is
+    active. Unsharding and resharding allocate and fill plain buffers that belong to no
+    transform level, but a module's forward, and so its first all-gather and lazy init, can
+    run inside one (``torch.func.jvp(lambda t: model(x), ...)``): tensors created there
+    would be functorch wrappers, whose storage cannot be resized or aliased."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 class ShardedState(Enum):
     SHARDED = auto()
     # reshard_after_forward=int: sharded over a smaller group until backward gathers it.
@@ -272,6 +289,7 @@ class ParamGroup:
             flat = flat.pin_memory()  # lets host-to-device copies run asynchronously
         return flat
 
+    @_outside_functorch
     def lazy_init(self, comm: CommContext) -> None:
         """Bind to the tree's communication context and build the unsharded buffer."""
         self.comm = comm
@@ -347,6 +365,7 @@ class ParamGroup:
     def unshard_pending(self) -> bool:
         return self._all_gather is not None
 
+    @_outside_functorch
     def unshard(self, *, after_compute: bool = False) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
         already in flight). Call ``wait_for_unshard`` before using the parameters.
@@ -410,6 +429,7 @@ class ParamGroup:
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
 
+    @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
         them on the modules."""
@@ -438,6 +458,7 @@ class ParamGroup:
                 unsharded.requires_grad_(p.sharded_param.requires_grad)
             p.register(unsharded)
 
+    @_outside_functorch
     def reshard(self, *, post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer. With
         ``post_forward`` and an int ``reshard_after_forward``, first keep this rank's

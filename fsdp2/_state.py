@@ -548,18 +548,33 @@ class _PendingBackward:
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity in forward; its backward is the group's post-backward hook."""
+    """Identity in forward; its backward is the group's post-backward hook.
+
+    Written with ``setup_context``, a ``jvp`` (the identity on tangents) and a generated
+    vmap rule, so that a sharded module also runs inside ``torch.func`` transforms such as
+    ``torch.func.jvp``.
+    """
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        state = inputs[0]
         ctx.state = state
         ctx.claim = _PendingBackward(state)
         # ``ctx`` is the graph node: it dies with the graph, backward or not.
         weakref.finalize(ctx, ctx.claim.release_unused).atexit = False
-        return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.claim.ran = True
         ctx.state.post_backward()
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, state_tangent: Any, *tangents: torch.Tensor) -> tuple[Any, ...]:
+        return tangents

@@ -1,4 +1,4 @@
-"""fsdp2 composed with torch's other composable distributed APIs.
+"""fsdp2 composed with other torch APIs: the composable distributed APIs and ``torch.func``.
 
 torch's ``replicate()`` (DDP as a composable API) skips submodules that ``fully_shard``
 manages: it finds them in the registry that torch's composable APIs share
@@ -6,6 +6,10 @@ manages: it finds them in the registry that torch's composable APIs share
 ``fully_shard`` does; without that, ``replicate`` on the root turned the blocks' ``DTensor``
 shards into plain local parameters (a ``ValueError`` at the first forward, or gradients
 all-reduced as if they were replicas).
+
+A sharded module's first forward (so its lazy init and first all-gather) may run inside a
+``torch.func`` transform, e.g. ``torch.func.jvp``: the buffers fsdp2 allocates there must
+not become functorch wrappers ("Cannot access storage of TensorWrapper").
 
 Runs on 2 ranks, parametrized on ``impl``, with an unsharded reference trained on the
 global batch (fp32, max abs diff <= 1e-5). If it fails, check first whether the blocks'
@@ -15,6 +19,7 @@ parameters are still ``DTensor``s after ``replicate``.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from _control_helpers import (
     TOL,
@@ -62,3 +67,28 @@ def test_replicate_root_over_sharded_blocks(impl: str) -> None:
     )
     name, diff = result["diff"]
     assert diff <= TOL, f"{name}: max abs diff {diff}"
+
+
+def _jvp_first_forward(impl: str) -> float:
+    """``enc`` runs normally, ``dec`` (a separate root) runs its first forward inside
+    ``torch.func.jvp``; outputs and tangents must equal the unsharded modules'."""
+    torch.manual_seed(0)
+    enc, dec = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 12, bias=False)
+    ref_enc, ref_dec = clone_model(enc), clone_model(dec)
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    for module in (enc, dec):
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    x = torch.randn(2, 8)
+    primal, tangent = torch.randn(2, 12), torch.randn(2, 12)
+    e, ref_e = enc(x), ref_enc(x)
+    out, out_tangent = torch.func.jvp(lambda p: dec(e) * p, (primal,), (tangent,))
+    ref_out, ref_tangent = torch.func.jvp(lambda p: ref_dec(ref_e) * p, (primal,), (tangent,))
+    return max((out - ref_out).abs().max().item(), (out_tangent - ref_tangent).abs().max().item())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_first_forward_inside_jvp(impl: str) -> None:
+    require_impl(impl)
+    diffs = run_ranks(_jvp_first_forward, 2, impl)
+    assert max(diffs) <= TOL, diffs
