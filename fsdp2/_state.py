@@ -18,6 +18,7 @@ Timeline of one training step for a tree sharded bottom-up (blocks, then the roo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from enum import Enum, auto
@@ -68,6 +69,12 @@ class TreeContext:
         self.forward_order: list[FSDPState] = []  # states, in post-forward order, with repeats
         self.in_backward = False
         self.callback_queued = False
+        # Post-backward nodes of live graphs that have not run: while any exists, a later
+        # forward (several forwards, then one backward) keeps the recorded order.
+        self.live_claims = 0
+        # States whose backward for one forward call ended while another call's is still to
+        # come; the next other state's pre-backward finishes them (see ``post_backward``).
+        self.parked: list[FSDPState] = []
         # False until the root's first forward: a tree that ``unshard()`` on a submodule
         # created is taken over by the outermost root at its first forward.
         self.started = False
@@ -103,6 +110,10 @@ class FSDPState:
         self._forward_positions: list[int] = []
         self._pending_backward_calls = 0  # forward calls whose post-backward has not run
         self._post_backward_done = False  # in this backward; reset by the final callback
+        # Post-backward nodes attached since this group's forward started, and those whose
+        # forward's pre-backward has fired but whose own backward has not run yet.
+        self._claims_this_forward = 0
+        self._open_claims = 0
         self._backward_epoch = 0  # +1 whenever the count above is reset
         self._recompute_registers_backward = False
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
@@ -285,6 +296,7 @@ class FSDPState:
             self._recompute_registers_backward = (
                 torch.is_grad_enabled() and self._pending_backward_calls == 0
             )
+            self._claims_this_forward = 0
             if self._recompute_registers_backward:
                 self._pending_backward_calls += 1
                 args, kwargs = self._attach_post_backward(args, kwargs)
@@ -292,6 +304,7 @@ class FSDPState:
         if self.is_root:
             self._root_pre_forward()
         self.training_state = TrainingState.FORWARD
+        self._claims_this_forward = 0
         if group is not None:
             group.unshard()
             for target in self.forward_prefetch or ():
@@ -308,9 +321,14 @@ class FSDPState:
         if tree is None:
             raise AssertionError("root pre-forward before lazy init")
         tree.started = True
-        tree.forward_order.clear()
+        # A step starts a fresh forward order, unless an earlier forward's backward is
+        # still to come (several forwards, then one backward): it needs its positions.
+        fresh = tree.live_claims == 0
+        if fresh:
+            tree.forward_order.clear()
         for state in tree.states:
-            state._forward_positions.clear()
+            if fresh:
+                state._forward_positions.clear()
             if state is not self:  # groups left incomplete by calls outside a forward
                 state._modules_to_run.clear()
         comm = tree.comm
@@ -350,17 +368,21 @@ class FSDPState:
         inputs = [x for x in _tensors((args, kwargs)) if x.requires_grad]
         if not inputs:
             return args, kwargs
+        self._claims_this_forward += 1
         outputs = dict(zip(map(id, inputs), _PostBackward.apply(self, *inputs)))
         return _map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
 
     def _attach_pre_backward(self, output: Any) -> Any:
         tensors = [x for x in _tensors(output) if x.requires_grad]
         if tensors:
-            register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+            hook = functools.partial(self._pre_backward, self._claims_this_forward)
+            register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
     @_run_eagerly
-    def _pre_backward(self, *_: Any) -> None:
+    def _pre_backward(self, claims: int, *_: Any) -> None:
+        """Backward reached an output of one forward call, whose ``claims`` post-backward
+        nodes (one per module call of the group) will now run."""
         tree = self.tree
         if tree is None:
             raise AssertionError("pre-backward before lazy init")
@@ -368,6 +390,12 @@ class FSDPState:
             tree.callback_queued = True
             tree.in_backward = True
             Variable._execution_engine.queue_callback(tree.root._finish_backward)
+        self._open_claims += claims
+        if tree.parked:
+            for state in tree.parked:
+                if state is not self:
+                    state._reduce_and_reshard()
+            tree.parked.clear()
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
         if group is not None:
@@ -400,12 +428,30 @@ class FSDPState:
                 target.group.unshard()
 
     def post_backward(self) -> None:
-        """Reduce this group's gradients and reshard, once all its forward calls' backward
-        ran (a module called twice has two backward passes to wait for)."""
+        """Reduce this group's gradients and reshard, once the backward of every forward
+        call that has reached backward ran.
+
+        A module called several times keeps its parameters gathered while the backward of
+        another of its calls is under way (``i = m(x); j = m(x)``: both run together, and
+        the parameters' gradients are complete only after both). When none is, but more
+        calls' backward is still to come (two forwards of the whole model, then one
+        backward), the state is parked: if this module's next backward follows at once
+        (``m(m(x))``) nothing happens; if another group's backward comes first, that
+        group's pre-backward reduces and reshards this one, as torch does after each call,
+        so the model is never left gathered as a whole.
+        """
+        self._open_claims = max(0, self._open_claims - 1)
         if self._pending_backward_calls > 1:
             self._pending_backward_calls -= 1
+            tree = self.tree
+            if self._open_claims == 0 and tree is not None and self not in tree.parked:
+                tree.parked.append(self)
             return
         self._pending_backward_calls = 0
+        self._reduce_and_reshard()
+        self._post_backward_done = True
+
+    def _reduce_and_reshard(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         group = self.group
         if group is not None:
@@ -419,7 +465,6 @@ class FSDPState:
                 group.reduce_grads()
             else:
                 group.accumulate_unsynced()
-        self._post_backward_done = True
         self.training_state = TrainingState.IDLE
 
     @_run_eagerly
@@ -439,6 +484,7 @@ class FSDPState:
                 # used): free it; its gradients were reduced already.
                 group.reshard()
             state._post_backward_done = False
+            state._open_claims = 0
             state._backward_epoch += 1
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
@@ -448,6 +494,7 @@ class FSDPState:
             streams = tree.comm.streams
             wait_stream(streams.compute(), streams.reduce_scatter)
         tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
+        tree.parked.clear()
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
@@ -462,6 +509,7 @@ class FSDPState:
             state._forward_positions.clear()
             state._pending_backward_calls = 0
             state._post_backward_done = False
+            state._open_claims = 0
             state._backward_epoch += 1
             state._modules_to_run.clear()
             if state.group is not None:
@@ -472,6 +520,7 @@ class FSDPState:
                         p.unsharded_param.grad = None
         tree.comm.finish_reduces(keep=0)
         tree.comm.host_buffers.clear()
+        tree.parked.clear()
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
@@ -534,17 +583,32 @@ class _PendingBackward:
     ``_PostBackward`` node is freed without having run, unless the count was reset since.
     """
 
-    __slots__ = ("epoch", "ran", "state")
+    __slots__ = ("epoch", "ran", "state", "tree")
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
         self.epoch = state._backward_epoch
         self.ran = False
+        self.tree = state.tree
+        if self.tree is not None:
+            self.tree.live_claims += 1
+
+    def mark_ran(self) -> None:
+        if not self.ran:
+            self.ran = True
+            self._settle()
 
     def release_unused(self) -> None:
+        if self.ran:
+            return
+        self._settle()
         state = self.state
-        if not self.ran and self.epoch == state._backward_epoch:
+        if self.epoch == state._backward_epoch:
             state._pending_backward_calls = max(0, state._pending_backward_calls - 1)
+
+    def _settle(self) -> None:
+        if self.tree is not None:
+            self.tree.live_claims = max(0, self.tree.live_claims - 1)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -571,7 +635,7 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.claim.ran = True
+        ctx.claim.mark_ran()
         ctx.state.post_backward()
         return (None, *grads)
 

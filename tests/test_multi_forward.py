@@ -1,0 +1,74 @@
+"""Several forwards before one backward (DPO, contrastive losses): each group's backward
+for one forward must end like any other, resharding before the backward moves on to other
+groups, so the model is never held unsharded as a whole.
+
+``Net`` (``_control_helpers``) runs two forwards on the two halves of each rank's batch,
+then one backward of the combined loss. A tensor hook on each block's input fires once
+that block's backward for one forward is done; it counts the blocks whose parameters are
+unsharded at that moment. With blocks resharding after forward and after backward, that
+is at most the block gathered next (prefetch) plus the one just finished if it is gathered
+again for the other forward, never all of them. Parameters must match an unsharded
+reference trained on the global batch (fp32, max abs diff <= 1e-5).
+
+If the count fails with every block unsharded, look at ``FSDPState.post_backward``: the
+backward of the first forward to finish must not wait for the second forward's backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from _control_helpers import (
+    TOL,
+    adamw,
+    build_net,
+    clone_model,
+    global_batch,
+    max_param_diff,
+    mse,
+    rank_slice,
+    reference_step,
+    shard_net,
+)
+from _helpers import IMPLS, is_dtensor, require_impl
+from _launcher import run_ranks
+
+
+def _two_forwards_one_backward(impl: str) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = build_net()
+    model = shard_net(clone_model(ref), impl)
+    blocks = list(model.blocks)
+    counts: list[int] = []
+
+    def count_unsharded(_grad: object) -> None:
+        counts.append(sum(not is_dtensor(b.lin1.weight) for b in blocks))
+
+    def watch_input(_module: object, args: tuple) -> None:
+        if args[0].requires_grad:
+            args[0].register_hook(count_unsharded)
+
+    for block in blocks:
+        block.register_forward_pre_hook(watch_input)
+    ref_opt, opt = adamw(ref), adamw(model)
+    for step in range(2):
+        batch = global_batch(step, 4 * ws)
+        reference_step(ref, ref_opt, batch)
+        x, y = rank_slice(batch, rank, ws)
+        first, second = (x[:2], y[:2]), (x[2:], y[2:])
+        loss = 0.5 * mse(model, first) + 0.5 * mse(model, second)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"counts": counts, "diff": max_param_diff(ref, model), "blocks": len(blocks)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_two_forwards_one_backward(impl: str) -> None:
+    require_impl(impl)
+    for rank, report in enumerate(run_ranks(_two_forwards_one_backward, 2, impl)):
+        counts = report["counts"]
+        assert len(counts) == 2 * 2 * report["blocks"], counts  # 2 steps of 2 forwards
+        assert max(counts) <= 2, f"[{impl}, rank {rank}] unsharded blocks per backward: {counts}"
+        name, diff = report["diff"]
+        assert diff <= TOL, f"[{impl}, rank {rank}] {name} differs by {diff:.3g}"
