@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from enum import Enum, auto
@@ -34,6 +35,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp2._param_group import CommContext, ParamGroup
 from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2._stream_utils import wait_event, wait_stream
+
+# Debug events of the hooks, named like torch's ("FSDP::pre_forward (layers.0)"), under
+# torch's FSDP logger so that ``TORCH_LOGS=+fsdp`` (or setting the level of the
+# "torch.distributed.fsdp" logger) shows them as it shows torch's own.
+logger = logging.getLogger("torch.distributed.fsdp.fsdp2")
 
 
 def _run_eagerly(fn: Any) -> Any:
@@ -103,6 +109,7 @@ class FSDPState:
         self.mp_policy = mp_policy
         self.offload_policy = offload_policy
         self.tree: TreeContext | None = None
+        self.fqn = ""  # of the module(s), relative to the root; set at lazy init, for logs
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
@@ -185,8 +192,10 @@ class FSDPState:
         comm = self.shared_comm if self.shared_comm is not None else CommContext(self.device)
         comm.max_reduces_in_flight = self.max_reduces_in_flight
         tree = TreeContext(self, states, comm)
+        names = {id(m): name for top in self.modules for name, m in top.named_modules()}
         for state in states:
             state.tree = tree
+            state.fqn = ", ".join(names.get(id(m), "") for m in state.modules)
             if state.reshard_after_forward_setting is None:
                 # The root's parameters are needed again at the very start of backward.
                 state.reshard_after_forward = state is not self
@@ -264,8 +273,10 @@ class FSDPState:
         ``output``."""
         group = self.group
         grad_enabled = torch.is_grad_enabled()
-        if group is not None and (self.reshard_after_forward or not grad_enabled):
-            group.reshard(post_forward=grad_enabled)
+        if group is not None:
+            logger.debug("FSDP::post_forward (%s)", self.fqn)
+            if self.reshard_after_forward or not grad_enabled:
+                group.reshard(post_forward=grad_enabled)
         self.training_state = TrainingState.IDLE
         if not grad_enabled:
             return output
@@ -306,6 +317,7 @@ class FSDPState:
         self.training_state = TrainingState.FORWARD
         self._claims_this_forward = 0
         if group is not None:
+            logger.debug("FSDP::pre_forward (%s)", self.fqn)
             group.unshard()
             for target in self.forward_prefetch or ():
                 if target.group is not None:
@@ -321,6 +333,7 @@ class FSDPState:
         if tree is None:
             raise AssertionError("root pre-forward before lazy init")
         tree.started = True
+        logger.debug("FSDP::root_pre_forward")
         # A step starts a fresh forward order, unless an earlier forward's backward is
         # still to come (several forwards, then one backward): it needs its positions.
         fresh = tree.live_claims == 0
@@ -399,6 +412,7 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
         if group is not None:
+            logger.debug("FSDP::pre_backward (%s)", self.fqn)
             group.unshard()
             group.wait_for_unshard()
         self._prefetch_for_backward()
@@ -455,6 +469,7 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         group = self.group
         if group is not None:
+            logger.debug("FSDP::post_backward (%s)", self.fqn)
             if group.unshard_pending:
                 group.wait_for_unshard()
             # Reshard first: the gradients are separate tensors, so the unsharded
@@ -473,6 +488,7 @@ class FSDPState:
         tree = self.tree
         if tree is None:
             raise AssertionError("final callback before lazy init")
+        logger.debug("FSDP::root_post_backward")
         for state in tree.states:
             group = state.group
             gathered = group is not None and (group.is_unsharded or group.unshard_pending)
