@@ -432,14 +432,14 @@ class ShardedParam:
 
     # -- the unsharded side --------------------------------------------------------------
     def init_unsharded_param(
-        self, unsharded_flat: torch.Tensor, dtype: torch.dtype
+        self, unsharded_flat: torch.Tensor, dtype: torch.dtype, start: int
     ) -> torch.Tensor:
         """Create the persistent unsharded parameter (of ``dtype``) as a view into the
-        group's unsharded buffer; return the copy-out target, a ``(world_size, slot)`` view
-        of the same slot in the buffer's own dtype (bytes for a byte buffer), through the
-        write alias (see [Note: storage resize and autograd])."""
+        group's unsharded buffer at element ``start`` (of that buffer); return the copy-out
+        target, a ``(world_size, slot)`` view of the same slot in the buffer's own dtype
+        (bytes for a byte buffer), through the write alias (see [Note: storage resize and
+        autograd])."""
         ws = self.world_size
-        start = ws * self.gather_offset
         slot = typed_slice(unsharded_flat, start, ws * self.padded_numel, dtype)
         stop = start + slot.numel() * dtype.itemsize // unsharded_flat.element_size()
         padded = slot.view(ws * self.rows_per_rank, *self.rows_shape[1:])

@@ -5,8 +5,9 @@ autograd] in ``_param``):
 
 - ``flat_shard``: 1-D, ``S`` elements, every local padded shard; the all-gather input.
   ``uint8`` (``S`` bytes) when the parameters' dtypes differ: see [Note: mixed-dtype groups].
-- ``unsharded_flat``: 1-D, ``world_size * S`` elements, the unsharded parameters,
-  param-major; storage freed (resized to 0) while sharded.
+- ``unsharded_flat``: 1-D, ``world_size * S`` elements (plus alignment gaps), the
+  unsharded parameters, param-major, each aligned (see [Note: aligned unsharded
+  parameters]); storage freed (resized to 0) while sharded.
 - a transient all-gather output (rank-major) that one fused ``split_with_sizes_copy``
   copies into ``unsharded_flat``. A group with a single parameter has identical rank-major
   and param-major layouts, so it gathers straight into ``unsharded_flat`` with no copy.
@@ -39,6 +40,20 @@ norm or router inside a bf16 block) and keep one collective per direction:
   and are ordered by dtype within that, so the reduced output is converted back with one
   cast per run of equal dtypes (at most one per dtype and trainable/frozen class), not one
   per parameter.
+
+[Note: aligned unsharded parameters]
+Every unsharded parameter starts at a multiple of ``UNSHARDED_ALIGN_BYTES`` (256) of the
+unsharded buffer (whose own start the allocator aligns). Packed back to back at
+``world_size * offset``, a parameter would start wherever the sizes before it end, and
+compute kernels pick their code path by the address: CPU matmuls (MKL) sum in a
+different order for a weight that is not 16-byte aligned, so the same forward gave results
+one ulp off torch's ``fully_shard`` (whose unsharded parameters are separate, aligned
+allocations), and GPU matmul heuristics take the alignment (up to 256 bytes) into account
+too. The gaps cost at most 255 bytes per parameter. They exist only in the unsharded
+buffer: the flat shard (the all-gather input) and the all-gather output stay packed, and
+the copy-out already writes each parameter's rows into its own slot. Where the all-gather
+writes straight into the unsharded buffer (one parameter; one rank with aligned slots),
+there are no gaps.
 
 [Note: gradients some ranks lack]
 Ranks may use different parameters of one group in a step (mixture-of-experts routing,
@@ -205,10 +220,6 @@ class ParamGroup:
         self.comm: CommContext | None = None
         self.unsharded_flat: torch.Tensor | None = None
         self._copy_out_targets: list[torch.Tensor] = []
-        # One parameter, or one rank: rank-major and param-major layouts coincide, so the
-        # all-gather (or, for one rank, the cast or copy that replaces it) writes straight
-        # into the unsharded buffer, with no copy-out.
-        self._gather_in_place = len(params) == 1 or self.world_size == 1
         # Parameters tied after sharding to another's DTensor: their slots are refreshed
         # before each all-gather (see [Note: weights tied after sharding] in ``_param``).
         self._tied: list[ShardedParam] = []
@@ -282,6 +293,30 @@ class ParamGroup:
         self.gather_numel = sum(self._gather_sizes)
         # None: the promotion of each step's gradient dtypes (mixed groups only).
         self.reduce_dtype: torch.dtype | None = self.mp_policy.reduce_dtype or self.param_dtype
+        self._plan_unsharded()
+
+    def _plan_unsharded(self) -> None:
+        """Place every parameter in the unsharded buffer: param-major, each one starting
+        at a multiple of ``UNSHARDED_ALIGN_BYTES``; see [Note: aligned unsharded parameters].
+        """
+        ws = self.world_size
+        align = max(1, UNSHARDED_ALIGN_BYTES // self.gather_dtype.itemsize)
+        starts = [ws * p.gather_offset for p in self._gather_params]
+        # One parameter, or one rank with every slot already aligned: rank-major and
+        # param-major layouts coincide, so the all-gather (or, for one rank, the cast or
+        # copy that replaces it) writes straight into the unsharded buffer, no copy-out.
+        self._gather_in_place = len(self.params) == 1 or (
+            ws == 1 and all(start % align == 0 for start in starts)
+        )
+        if not self._gather_in_place:
+            starts = []
+            end = 0
+            for size in self._gather_sizes:
+                end = -(-end // align) * align
+                starts.append(end)
+                end += ws * size
+        self._unsharded_starts = starts
+        self.unsharded_numel = max(ws * self.gather_numel, starts[-1] + ws * self._gather_sizes[-1])
 
     def _new_flat_shard(self, device: torch.device) -> torch.Tensor:
         flat = torch.zeros(self.shard_numel, dtype=self.shard_dtype, device=device)
@@ -293,7 +328,12 @@ class ParamGroup:
     def lazy_init(self, comm: CommContext) -> None:
         """Bind to the tree's communication context and build the unsharded buffer."""
         self.comm = comm
-        comm.host_buffers.allow_slack(self.reduce_flag_bytes)
+        # The unsharded buffer is its all-gather output plus the alignment gaps, and the
+        # reduce-scatter input that plus the flags: one pooled buffer serves all three.
+        gap_bytes = (self.unsharded_numel - self.world_size * self.gather_numel) * (
+            self.gather_dtype.itemsize
+        )
+        comm.host_buffers.allow_slack(self.reduce_flag_bytes + gap_bytes)
         self.ensure_shards_bound()
         if self.flat_shard.device.type == "meta":
             raise RuntimeError(
@@ -319,12 +359,12 @@ class ParamGroup:
         self._post_forward_index = index
 
     def _init_unsharded(self) -> None:
-        n = self.world_size * self.gather_numel
+        n = self.unsharded_numel
         self.unsharded_flat = torch.empty(n, dtype=self.gather_dtype, device=self.device)
         # Views are made while the storage is allocated, then the storage is freed.
         self._copy_out_targets = [
-            p.init_unsharded_param(self.unsharded_flat, self.param_dtype or p.dtype)
-            for p in self._gather_params
+            p.init_unsharded_param(self.unsharded_flat, self.param_dtype or p.dtype, start)
+            for p, start in zip(self._gather_params, self._unsharded_starts)
         ]
         self._unsharded_write = self.unsharded_flat.data
         if self.post_forward_size:
@@ -733,6 +773,9 @@ class ParamGroup:
             raise AssertionError(f"{self.label}: used before lazy initialization")
         return self.comm
 
+
+# See [Note: aligned unsharded parameters].
+UNSHARDED_ALIGN_BYTES = 256
 
 # One aten kernel that chunks, pads and concatenates (what the reduce-scatter copy-in needs);
 # torch's own FSDP uses it. Private in name, so looked up with a fallback.
