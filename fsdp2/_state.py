@@ -251,8 +251,7 @@ class FSDPState:
             group.unshard()
             group.wait_for_unshard()
         if torch.is_grad_enabled():
-            self._pending_backward_calls += 1
-            args, kwargs = self._attach_post_backward(args, kwargs)
+            args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs
 
     def _cast_output(self, output: Any) -> Any:
@@ -309,8 +308,7 @@ class FSDPState:
             )
             self._claims_this_forward = 0
             if self._recompute_registers_backward:
-                self._pending_backward_calls += 1
-                args, kwargs = self._attach_post_backward(args, kwargs)
+                args, kwargs = self._claim_post_backward(args, kwargs)
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
@@ -324,8 +322,7 @@ class FSDPState:
                     target.group.unshard()
             group.wait_for_unshard()
         if torch.is_grad_enabled():
-            self._pending_backward_calls += 1
-            args, kwargs = self._attach_post_backward(args, kwargs)
+            args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
@@ -373,6 +370,20 @@ class FSDPState:
         return self._cast_output(output)
 
     # -- backward triggers ---------------------------------------------------------------
+    def _claim_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Count this forward call for the group's post-backward and attach its trigger.
+        A state without parameters (``fully_shard`` on a module whose parameters all
+        belong to submodules' groups) has nothing to reduce, so its calls add no autograd
+        node: an extra node changes the order in which autograd sums the gradients of a
+        tensor used several times, so the same model would round differently than torch's
+        ``fully_shard`` (which adds none there) and than the non-sharded model."""
+        if self.group is None:
+            return args, kwargs
+        self._pending_backward_calls += 1
+        return self._attach_post_backward(args, kwargs)
+
     def _attach_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
