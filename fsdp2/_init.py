@@ -80,6 +80,14 @@ def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ..
                 f"fully_shard was already applied to this {type(m).__name__}. Apply it once "
                 f"per module: to each block, then to the root."
             )
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # Its forward never runs, so its hooks would never gather its parameters.
+            raise ValueError(
+                f"fully_shard does not support a {type(m).__name__} (a container without "
+                f"forward: its hooks would never run). Shard each of its modules, e.g. "
+                f"`for block in model.layers: fully_shard(block)`, or pass them as one "
+                f"group: fully_shard(list(model.layers))."
+            )
     return modules
 
 

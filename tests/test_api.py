@@ -74,6 +74,28 @@ def test_not_a_module() -> None:
         fsdp2.fully_shard([])
 
 
+def _container(kind: type) -> nn.Module:
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    return kind(layers) if kind is nn.ModuleList else kind(dict(zip("ab", layers)))
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+@pytest.mark.parametrize("kind", [nn.ModuleList, nn.ModuleDict])
+def test_container_without_forward(impl: str, kind: type) -> None:
+    """torch rejects a ModuleList/ModuleDict up front; fsdp2 accepted it and then failed in
+    forward with a DTensor/Tensor mix (the container's hooks never run)."""
+    if impl == "fsdp2":
+        fully_shard = fsdp2.fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    match = "containers? (that do not implement|without) forward"
+    with pytest.raises(ValueError, match=match):
+        fully_shard(_container(kind))
+    if impl == "fsdp2":  # in a group of several modules too
+        with pytest.raises(ValueError, match=match):
+            fully_shard([nn.Linear(2, 2), _container(kind)])
+
+
 def test_needs_process_group_for_default_mesh() -> None:
     if torch.distributed.is_initialized():
         pytest.skip("a process group is initialized in this process")
