@@ -650,7 +650,12 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(x.view_as(x) for x in inputs)
+        # Aliases with the inputs' exact strides: ``view_as`` (or returning the inputs,
+        # which autograd turns into ``view_as``) recomputes the stride of a size-1 dim,
+        # and kernels choose their path by strides (matmul folds a batch into one mm or
+        # not). A checkpointed forward is recomputed without this node, so it would take
+        # another path than the original forward and save tensors of other shapes.
+        return tuple(torch.ops.aten.alias(x) for x in inputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:

@@ -135,3 +135,63 @@ def test_group_casts_inputs_of_every_module(impl: str) -> None:
     require_impl(impl)
     for rep in run_ranks(rank_group_casts_every_module, 2, impl):
         assert rep == {"dtype": "torch.bfloat16", "grad_dtype": "torch.float32"}, rep
+
+
+class _SeqConv(nn.Conv1d):
+    """Conv1d over (batch, length, channels); returns a transposed (non-contiguous) view."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class CheckpointedFrozenTail(nn.Module):
+    """Checkpointed linear -> conv -> frozen linear, on one sample per rank: the frozen
+    linear's input has a size-1 batch dim with a non-canonical stride, and matmul folds it
+    into one mm or runs a bmm depending on that stride (its weight does not require grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(5, 9, bias=False), _SeqConv(9, 9, 3, padding=1), nn.Linear(9, 5)
+        )
+        self.layers[2].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.layers, x, use_reentrant=False)
+
+
+def rank_checkpointed_frozen_tail(impl: str, grouping: str) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    ref = CheckpointedFrozenTail()
+    model = copy.deepcopy(ref)
+    first, _, frozen = model.layers
+    fully_shard([first, frozen] if grouping == "list" else frozen)
+    fully_shard(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(ws, 2, 5, generator=gen)
+        model(x[rank : rank + 1]).pow(2).sum().backward()
+        (ref(x).pow(2).sum() / ws).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"max_diff": _max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize(
+    ("impl", "grouping"), [("fsdp2", "list"), ("torch", "list"), ("fsdp2", "own")]
+)
+def test_checkpoint_recompute_sees_the_same_strides(impl: str, grouping: str) -> None:
+    """The post-backward trigger on a group's inputs returned ``view_as`` aliases, which
+    recompute the stride of a size-1 dim; activation checkpointing recomputes the forward
+    without that trigger, so matmul took another path and saved tensors of other shapes
+    (CheckpointError). "list": a group of several modules, whose later modules only fsdp2
+    routes through the trigger; "own": the frozen linear as a group of its own (torch's
+    ``fully_shard`` raises the CheckpointError there too, so only fsdp2 is run)."""
+    require_impl(impl)
+    for rank, rep in enumerate(run_ranks(rank_checkpointed_frozen_tail, 2, impl, grouping)):
+        assert rep["max_diff"] <= TOL, (rank, impl, grouping, rep)
