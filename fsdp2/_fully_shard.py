@@ -354,8 +354,9 @@ class FSDPModule:
         """How many reduce-scatters (and their input buffers) may be in flight at once;
         default 1, like torch: more lets a group's gradient copy-in skip waiting for the
         previous reduce-scatter when communication is slower than backward compute, at
-        the price of one more input buffer each. The limit belongs to the communication context the whole tree shares, so the
-        root's setting is the one that counts; ``recurse`` exists for torch parity."""
+        the price of one more input buffer each. The limit belongs to the communication
+        context the whole tree shares: as in torch, it is the largest value set on any of
+        the tree's modules (``recurse=False`` on one block raises it for all)."""
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
                 f"set_reduce_scatter_max_input_buffers expects an int >= 1, "
@@ -368,8 +369,9 @@ class FSDPModule:
             )
         for state in self._states(recurse):
             state.max_reduces_in_flight = max_input_buffers
-            if state.tree is not None and state.tree.root is state:
-                state.tree.comm.max_reduces_in_flight = max_input_buffers
+            tree = state.tree
+            if tree is not None:  # after lazy init: resolve the shared limit again
+                tree.comm.max_reduces_in_flight = max(s.max_reduces_in_flight for s in tree.states)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True

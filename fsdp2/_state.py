@@ -190,7 +190,8 @@ class FSDPState:
                     f"sharded module, so it can become the root."
                 )
         comm = self.shared_comm if self.shared_comm is not None else CommContext(self.device)
-        comm.max_reduces_in_flight = self.max_reduces_in_flight
+        # One limit for the shared context: the largest any group asked for, as in torch.
+        comm.max_reduces_in_flight = max(state.max_reduces_in_flight for state in states)
         tree = TreeContext(self, states, comm)
         names = {id(m): name for top in self.modules for name, m in top.named_modules()}
         for state in states:

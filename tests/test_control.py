@@ -611,3 +611,48 @@ def test_submodule_unshard_before_first_forward(impl: str) -> None:
     require_impl(impl)
     for rep in run_ranks(rank_submodule_unshard_before_first_forward, 2, impl):
         assert rep["grad_diff"] <= 1e-6 and rep["peek_ok"], rep
+
+
+def rank_reduce_scatters_in_flight(setting: str) -> int:
+    """fsdp2 only (torch's CPU reduce-scatters finish before they return, so none is ever
+    in flight): the most reduce-scatters issued and not yet waited for during backward."""
+    ws = dist.get_world_size()
+    model = shard_net(build_net(), "fsdp2")
+    if setting == "block_only":
+        # torch resolves every group's setting to the largest on the shared context.
+        model.blocks[0].set_reduce_scatter_max_input_buffers(3, recurse=False)
+    elif setting == "root":
+        model.set_reduce_scatter_max_input_buffers(3)
+    name = (
+        "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor"
+    )
+    original, in_flight, most = getattr(dist, name), [0], [0]
+
+    class Counted:
+        def __init__(self, work: object) -> None:
+            self.work = work
+
+        def wait(self) -> object:
+            in_flight[0] -= 1
+            return self.work.wait()  # type: ignore[attr-defined]
+
+    def counting(*args: object, **kwargs: object) -> Counted:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        return Counted(original(*args, **kwargs))
+
+    setattr(dist, name, counting)
+    try:
+        batch = global_batch(0, 2 * ws)
+        mse(model, rank_slice(batch, dist.get_rank(), ws)).backward()
+    finally:
+        setattr(dist, name, original)
+    return most[0]
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("default", 1), ("root", 3), ("block_only", 3)])
+def test_reduce_scatter_max_input_buffers_resolves_to_max(setting: str, expected: int) -> None:
+    require_impl("fsdp2")
+    assert run_ranks(rank_reduce_scatters_in_flight, 2, setting) == [expected] * 2
