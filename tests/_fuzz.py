@@ -1,0 +1,799 @@
+"""Differential fuzzing of fsdp2 against torch's ``fully_shard``: random models and training
+configurations from an integer seed, trained under both implementations (and without
+sharding) from the same weights on the same per-rank batches.
+
+A *case* is a plain, picklable dict (``gen_case(seed)``; any key can be overridden to
+minimize a failure):
+
+* ``spec``: the model, a tree of ``(kind, ...)`` tuples built by ``build``: Linear (with or
+  without bias, odd sizes such as 1, 3, 5, 7 so shards are uneven or empty), LayerNorm,
+  RMSNorm, Embedding (optionally tied to the output head), Conv1d, modules with 1-D and
+  3-D parameters, inside Sequential / ModuleList / ModuleDict / custom containers (depth
+  1-3): residual, called twice per forward (``twice``), skipped on every other step
+  (``maybe``, the same on every rank), activation checkpointing (``ckpt``,
+  ``use_reentrant=False``), own parameters around a child (``gated``);
+* ``plan``: the ``fully_shard`` calls, bottom-up, each ``(module names, reshard_after_forward)``
+  (several names: one group for a list of modules); the root always last;
+* ``frozen``: parameters with ``requires_grad=False`` before sharding;
+* training: ``steps``, bf16 ``mp`` (``param_dtype=bfloat16, reduce_dtype=float32``),
+  ``accum`` (two microbatches, ``set_requires_gradient_sync(False)`` on the first),
+  ``set_to_none`` for ``zero_grad``, ``optim`` (SGD with momentum or AdamW), ``clip``
+  (``clip_grad_norm_``), ``eval_at`` (an ``eval()`` + ``no_grad`` forward after those
+  steps), ``sd_roundtrip`` (``state_dict()`` after step 0, loaded back after step 1),
+  ``ops`` (``unshard()`` / ``reshard()`` calls between steps), ``input_requires_grad``.
+
+``run_impls`` is the rank function (it trains one sharded copy per implementation and
+returns, per step, every rank's losses and eval outputs and, from rank 0, every
+parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
+model on the global batch in the calling process. ``compare_impls`` / ``compare_reference``
+list the differences.
+
+To fuzz a range of seeds (a few hundred take a few minutes on 2 cores)::
+
+    python tests/_fuzz.py 0 300          # one line per seed that is not "ok"
+    python tests/_fuzz.py 486 487 -v     # a case, its spec and every difference
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# The training step, read by ``Maybe`` (set the same on every rank).
+CTX = {"step": 0}
+
+# fsdp2 vs torch: bitwise at 2 ranks. At 3 ranks gloo sums a reduce-scatter element in an
+# order that depends on the alignment of each rank's chunk, which fsdp2's per-parameter
+# "had a gradient" flags shift ([Note: gradients some ranks lack]): 1-ulp differences.
+IMPL_TOL = {2: 0.0, 3: 1e-6}
+# Against the non-sharded reference (relative to the magnitude of the values).
+REF_TOL = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+class SeqConv1d(nn.Conv1d):
+    """Conv1d over (batch, length, channels) inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class Raw(nn.Module):
+    """Parameters of odd shapes: a 3-D weight (dim 0 of size 2), a 1-D bias, a (1,) gain."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.w3 = nn.Parameter(torch.empty(2, din, dout))
+        self.b = nn.Parameter(torch.empty(dout))
+        self.g = nn.Parameter(torch.empty(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w3[0]) * self.g + torch.tanh(x @ self.w3[1]) + self.b
+
+
+class Scale(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class ListBlock(nn.Module):
+    def __init__(self, children: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(children)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class DictBlock(nn.Module):
+    def __init__(self, children: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({f"b{i}": c for i, c in enumerate(children)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+class Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+class Twice(nn.Module):
+    """``inner`` called twice per forward: chained, or on two inputs and summed."""
+
+    def __init__(self, inner: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "chain":
+            return self.inner(torch.tanh(self.inner(x)))
+        return self.inner(x) + self.inner(0.5 * x)
+
+
+class Maybe(nn.Module):
+    """Skips ``inner`` on the steps of one parity."""
+
+    def __init__(self, inner: nn.Module, phase: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.phase = phase
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if CTX["step"] % 2 == self.phase:
+            return x
+        return self.inner(x)
+
+
+class Ckpt(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return checkpoint(self.inner, x, use_reentrant=False)
+        return self.inner(x)
+
+
+class Gated(nn.Module):
+    """Own parameters around a child: ``inner(x) * gain + shift``."""
+
+    def __init__(self, inner: nn.Module, d: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(d))
+        self.inner = inner
+        self.shift = nn.Parameter(torch.empty(1, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.gain + self.shift
+
+
+class Side(nn.Module):
+    """Calls ``inner`` but returns its input: ``drop`` discards the output (its backward never
+    runs), ``zero`` adds it times zero (its backward runs with zero gradients)."""
+
+    def __init__(self, inner: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        return x if self.mode == "drop" else x + 0.0 * out
+
+
+class Root(nn.Module):
+    def __init__(self, spec: dict) -> None:
+        super().__init__()
+        self.has_embed = spec["embed"] is not None
+        if self.has_embed:
+            vocab, d = spec["embed"]
+            self.embed = nn.Embedding(vocab, d)
+        self.body = build(spec["body"])
+        self.head = None
+        if spec["head"] is not None:
+            din, dout, bias = spec["head"]
+            self.head = nn.Linear(din, dout, bias=bias)
+            if spec["tied"]:
+                self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if self.has_embed else x
+        h = self.body(h)
+        return self.head(h) if self.head is not None else h
+
+
+def build(spec: tuple) -> nn.Module:
+    kind, *args = spec
+    if kind == "linear":
+        return nn.Linear(args[0], args[1], bias=args[2])
+    if kind == "layernorm":
+        return nn.LayerNorm(args[0], bias=args[1])
+    if kind == "rmsnorm":
+        return nn.RMSNorm(args[0])
+    if kind == "conv":
+        return SeqConv1d(args[0], args[1], args[2], padding=args[2] // 2, bias=args[3])
+    if kind == "act":
+        return {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU}[args[0]]()
+    if kind == "scale":
+        return Scale(args[0])
+    if kind == "raw":
+        return Raw(args[0], args[1])
+    if kind == "seq":
+        return nn.Sequential(*[build(c) for c in args[0]])
+    if kind in ("list", "dict"):
+        return (ListBlock if kind == "list" else DictBlock)([build(c) for c in args[0]])
+    wrappers = {"residual": Residual, "twice": Twice, "maybe": Maybe, "ckpt": Ckpt, "gated": Gated}
+    wrappers["side"] = Side
+    return wrappers[kind](build(args[0]), *args[1:])
+
+
+# ---------------------------------------------------------------------------- generation
+
+DIMS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 16]
+
+
+def _gen_leaf(rng: random.Random, d: int, same_dim: bool) -> tuple[tuple, int]:
+    kind = rng.choice(["linear", "linear", "layernorm", "rmsnorm", "conv", "act", "scale", "raw"])
+    out = d if same_dim else rng.choice(DIMS)
+    if kind == "linear":
+        return ("linear", d, out, rng.random() < 0.7), out
+    if kind == "conv":
+        return ("conv", d, out, rng.choice([1, 3]), rng.random() < 0.6), out
+    if kind == "raw":
+        return ("raw", d, out), out
+    if kind == "layernorm":
+        return ("layernorm", d, rng.random() < 0.5), d
+    if kind in ("rmsnorm", "scale"):
+        return (kind, d), d
+    return ("act", rng.choice(["tanh", "gelu", "relu"])), d
+
+
+def _gen_node(rng: random.Random, depth: int, d: int, same_dim: bool = False) -> tuple[tuple, int]:
+    """A subtree taking ``d`` features; returns it and its output features."""
+    if depth <= 0 or rng.random() < 0.3:
+        return _gen_leaf(rng, d, same_dim)
+    kind = rng.choice(["seq", "list", "dict", "residual", "twice", "maybe", "ckpt", "gated"])
+    if kind in ("seq", "list", "dict"):
+        n = rng.randint(1, 3)
+        children = []
+        cur = d
+        for i in range(n):
+            child, cur = _gen_node(rng, depth - 1, cur, same_dim and i == n - 1)
+            children.append(child)
+        if same_dim and cur != d:
+            children.append(("linear", cur, d, True))
+            cur = d
+        return (kind, tuple(children)), cur
+    if kind in ("residual", "twice", "maybe"):
+        inner, _ = _gen_node(rng, depth - 1, d, same_dim=True)
+        if kind == "residual":
+            return ("residual", inner), d
+        if kind == "twice":
+            return ("twice", inner, rng.choice(["chain", "sum"])), d
+        return ("maybe", inner, rng.randint(0, 1)), d
+    inner, out = _gen_node(rng, depth - 1, d, same_dim)
+    return (("ckpt", inner) if kind == "ckpt" else ("gated", inner, out)), out
+
+
+def gen_case(seed: int, **overrides: Any) -> dict:
+    """The case of ``seed``; ``overrides`` replace keys (the plan, frozen parameters and
+    ops are generated after them, from the possibly overridden model)."""
+    rng = random.Random(seed)
+    ws = rng.choice([2, 3])
+    language_model = rng.random() < 0.35  # token ids in, logits out
+    d0 = rng.choice([3, 4, 5, 7, 8])
+    spec: dict[str, Any] = {"embed": None, "head": None, "tied": False}
+    if language_model:
+        vocab = rng.choice([5, 7, 11])
+        tied = rng.random() < 0.6
+        spec["embed"] = (vocab, d0)
+        spec["body"], dout = _gen_node(rng, rng.randint(1, 3), d0, same_dim=tied)
+        spec["head"] = (dout, vocab, (not tied) and rng.random() < 0.5)
+        spec["tied"] = tied
+        loss, out_dim = "ce", vocab
+    else:
+        spec["body"], dout = _gen_node(rng, rng.randint(1, 3), d0)
+        out_dim = dout
+        if rng.random() < 0.3 or not any(True for _ in build(spec["body"]).parameters()):
+            out_dim = rng.choice([1, 2, 3])
+            spec["head"] = (dout, out_dim, rng.random() < 0.5)
+        loss = "mse"
+    case: dict[str, Any] = {
+        "seed": seed,
+        "ws": ws,
+        "spec": spec,
+        "d0": d0,
+        "out_dim": out_dim,
+        "loss": loss,
+        "local_batch": rng.choice([1, 2, 3]),
+        "seq_len": rng.choice([1, 2, 3]),
+        "steps": rng.choice([2, 3]),
+        "mp": rng.random() < 0.2,
+        "accum": rng.random() < 0.3,
+        "set_to_none": rng.random() < 0.5,
+        "optim": rng.choice(["sgd", "adamw"]),
+        "eval_at": [s for s in range(3) if rng.random() < 0.3],
+        "sd_roundtrip": rng.random() < 0.25,
+        "p_shard": rng.choice([0.2, 0.5, 0.8]),
+        "p_list": rng.choice([0.0, 0.3]),
+        "p_freeze_module": rng.choice([0.0, 0.0, 0.15]),
+        "p_freeze_param": rng.choice([0.0, 0.0, 0.1]),
+        "p_unshard_op": rng.choice([0.0, 0.0, 0.5]),
+        "clip": rng.random() < 0.2,
+        "plan_seed": rng.randrange(1 << 30),
+    }
+    # Later additions draw from their own generator, so the cases above stay the same.
+    extra = random.Random(seed * 7919 + 17)
+    spec["body"] = _add_side_calls(spec["body"], extra)
+    case["input_requires_grad"] = loss == "mse" and extra.random() < 0.2
+    case.update(overrides)
+    model = Root(case["spec"])
+    if "plan" not in overrides:
+        case["plan"] = _gen_plan(model, case)
+    if "frozen" not in overrides:
+        case["frozen"] = _gen_frozen(model, case)
+    if "ops" not in overrides:
+        case["ops"] = _gen_ops(case)
+    return case
+
+
+_SAME_DIM = ("residual", "twice", "maybe", "layernorm", "rmsnorm", "scale", "act")
+
+
+def _add_side_calls(spec: tuple, rng: random.Random) -> tuple:
+    """Wrap some shape-preserving subtrees in ``Side`` (outputs unused or times zero)."""
+    kind, *args = spec
+    if kind in ("seq", "list", "dict"):
+        spec = (kind, tuple(_add_side_calls(c, rng) for c in args[0]))
+    elif kind in ("residual", "twice", "maybe", "ckpt", "gated"):
+        spec = (kind, _add_side_calls(args[0], rng), *args[1:])
+    if spec[0] in _SAME_DIM and rng.random() < 0.12:
+        return ("side", spec, rng.choice(["drop", "zero"]))
+    return spec
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    out = []
+    for name, child in module.named_children():
+        out += _post_order(child, f"{prefix}{name}.")
+    out.append((prefix[:-1], module))
+    return out
+
+
+def _gen_plan(model: Root, case: dict) -> list[tuple[list[str], Any]]:
+    rng = random.Random(case["plan_seed"])
+    tied = case["spec"]["tied"]
+    plan: list[tuple[list[str], Any]] = []
+    sharded: set[str] = set()
+    for name, module in _post_order(model):
+        if name == "":
+            if tied and rng.random() < 0.4:  # tied embedding and head as one group
+                plan.append((["embed", "head"], rng.choice([True, False, None])))
+            plan.append(([""], rng.choice([True, False, None])))
+            break
+        if tied and name in ("embed", "head"):
+            continue  # a parameter shared by two groups is an error
+        free = [f"{name}.{n}" for n, _ in module.named_children()]
+        free = [k for k in free if k not in sharded]
+        if len(free) >= 2 and rng.random() < case["p_list"]:
+            chosen = sorted(rng.sample(free, rng.randint(2, len(free))), key=free.index)
+            plan.append((chosen, rng.choice([True, False, None])))
+            sharded.update(chosen)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            continue  # no forward, so no hooks: rejected by both implementations
+        has_params = any(True for _ in module.parameters())
+        if rng.random() < case["p_shard"] * (1.0 if has_params else 0.2):
+            plan.append(([name], rng.choice([True, False, None])))
+            sharded.add(name)
+    return plan
+
+
+def _gen_frozen(model: Root, case: dict) -> list[str]:
+    rng = random.Random(case["plan_seed"] + 1)
+    frozen: set[str] = set()
+    for mname, module in model.named_modules():
+        if mname and rng.random() < case["p_freeze_module"]:
+            frozen.update(f"{mname}.{n}" for n, _ in module.named_parameters())
+    for pname, _ in model.named_parameters():
+        if rng.random() < case["p_freeze_param"]:
+            frozen.add(pname)
+    names = [n for n, _ in model.named_parameters()]
+    frozen &= set(names)
+    if frozen >= set(names):
+        frozen.discard(names[-1])
+    return sorted(frozen)
+
+
+def _gen_ops(case: dict) -> dict[int, list[tuple[str, str, str]]]:
+    """``{step: [(op, module, when)]}``: op ``unshard_reshard``, ``unshard_keep`` or
+    ``reshard``; when ``post`` (right after the previous optimizer step, before its eval
+    forward and state_dict) or ``pre`` (just before this step's forward)."""
+    rng = random.Random(case["plan_seed"] + 2)
+    names = [n for names, _ in case["plan"] for n in names]
+    ops: dict[int, list[tuple[str, str, str]]] = {}
+    for s in range(1, case["steps"]):
+        if rng.random() < case["p_unshard_op"]:
+            target = rng.choice(names)
+            op = rng.choice(["unshard_reshard", "unshard_keep", "reshard"])
+            ops[s] = [(op, target, rng.choice(["pre", "post"]))]
+    return ops
+
+
+def describe(case: dict) -> str:
+    keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
+    keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
+    lines = [", ".join(f"{k}={case[k]}" for k in keys)]
+    lines += [f"{k}={case[k]!r}" for k in ("spec", "plan", "frozen", "ops")]
+    return "\n".join(lines)
+
+
+def features(case: dict) -> set[str]:
+    """What a case exercises (for choosing a covering set of seeds)."""
+    spec = repr(case["spec"]["body"])
+    out = {f"ws{case['ws']}", case["optim"], "loss_" + case["loss"]}
+    out |= {k for k in ("mp", "accum", "sd_roundtrip", "clip") if case[k]}
+    out |= {"zero_grad_keep"} if not case["set_to_none"] else set()
+    out |= {"eval"} if case["eval_at"] else set()
+    out |= {"tied"} if case["spec"]["tied"] else set()
+    out |= {"embed"} if case["spec"]["embed"] else set()
+    out |= {k for k in ("linear", "layernorm", "rmsnorm", "conv", "raw", "scale") if k in spec}
+    out |= {k for k in ("seq", "list", "dict", "residual", "twice", "maybe", "ckpt") if k in spec}
+    out |= {"gated"} if "'gated'" in spec else set()
+    out |= {f"side_{m}" for m in ("drop", "zero") if f"'{m}')" in spec}
+    out |= {"input_requires_grad"} if case["input_requires_grad"] else set()
+    out |= {"frozen"} if case["frozen"] else set()
+    out |= {"list_group"} if any(len(n) > 1 for n, _ in case["plan"]) else set()
+    out |= {f"raf_{r}" for _, r in case["plan"]}
+    out |= {"nested_groups"} if len(case["plan"]) > 1 else set()
+    out |= {f"op_{op}_{when}" for ops in case["ops"].values() for op, _, when in ops}
+    return out
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def _init_weights(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() >= 2:
+                p.copy_(noise / math.sqrt(max(p.shape[-1], 1)))
+            elif "norm" in name or name.endswith(("scale", "gain", ".g", "weight")):
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def make_model(case: dict) -> Root:
+    model = Root(case["spec"])
+    _init_weights(model, case["seed"])
+    for name, p in model.named_parameters():
+        if name in case["frozen"]:
+            p.requires_grad_(False)
+    return model
+
+
+def make_batch(case: dict, step: int, mb: int, kind: str = "train") -> tuple:
+    """The global batch of a step (and microbatch); rank r takes rows r*lb:(r+1)*lb."""
+    salt = 500 if kind == "eval" else 0
+    gen = torch.Generator().manual_seed(case["seed"] * 1000 + step * 10 + mb + salt)
+    rows, length = case["local_batch"] * case["ws"], case["seq_len"]
+    if case["loss"] == "ce":
+        vocab = case["spec"]["embed"][0]
+        x = torch.randint(0, vocab, (rows, length), generator=gen)
+        y = torch.randint(0, vocab, (rows, length), generator=gen)
+    else:
+        x = torch.randn(rows, length, case["d0"], generator=gen)
+        y = torch.randn(rows, length, case["out_dim"], generator=gen)
+    return x, y
+
+
+def _loss(case: dict, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = out.float()
+    if case["loss"] == "ce":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss(out, y)
+
+
+def _optimizer(case: dict, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if case["optim"] == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    # eps bounds AdamW's amplification of rounding noise in ~0 gradients (see _helpers).
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-3, weight_decay=0.01)
+
+
+def shard(case: dict, model: Root, impl: str, mesh: Any) -> None:
+    if impl == "fsdp2":
+        import fsdp2
+
+        fully_shard, policy_cls = fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as policy_cls
+        from torch.distributed.fsdp import fully_shard
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if case["mp"]:
+        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for names, reshard in case["plan"]:
+        modules = [model.get_submodule(n) for n in names]
+        fully_shard(
+            modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs
+        )
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _gather_grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
+    """Every gradient's full tensor (collective); None, or a message if only some ranks
+    hold it."""
+    has = torch.tensor([float(p.grad is not None) for _, p in named])
+    dist.all_reduce(has)
+    ws = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for (n, p), count in zip(named, has.tolist()):
+        if count == 0:
+            out[n] = None
+        elif count < ws:
+            out[n] = f"grad on {int(count)}/{ws} ranks"
+        else:
+            out[n] = _full(p.grad).detach().clone()
+    return out
+
+
+def _apply_ops(model: nn.Module, ops: list[tuple[str, str, str]], when: str) -> None:
+    for op, name, at in ops:
+        if at != when:
+            continue
+        module = model.get_submodule(name)
+        if op in ("unshard_reshard", "unshard_keep"):
+            module.unshard()
+        if op in ("unshard_reshard", "reshard"):
+            module.reshard()
+
+
+def train(case: dict, model: nn.Module, rank: int | None) -> dict:
+    """Train for ``case['steps']`` steps. ``rank``: sharded, on that rank's rows of each
+    batch; None: the non-sharded reference on whole batches."""
+    sharded = rank is not None
+    # The sharded parameters, which the optimizer holds: after a forward without backward
+    # (everything before the loss frozen or skipped) a group that does not reshard after
+    # forward still has its unsharded parameters registered on the modules.
+    named = list(model.named_parameters())
+    opt = _optimizer(case, model)
+    lb, microbatches = case["local_batch"], 2 if case["accum"] else 1
+    rows = slice(rank * lb, (rank + 1) * lb) if sharded else slice(None)
+    steps: list[dict[str, Any]] = []
+    saved = None
+    for step in range(case["steps"]):
+        CTX["step"] = step
+        entry: dict[str, Any] = {"loss": []}
+        if sharded and step in case["ops"]:
+            _apply_ops(model, case["ops"][step], "pre")
+        for mb in range(microbatches):
+            x, y = (t[rows] for t in make_batch(case, step, mb))
+            if case["input_requires_grad"]:
+                x.requires_grad_()
+            if sharded and case["accum"]:
+                model.set_requires_gradient_sync(mb == microbatches - 1)
+            loss = _loss(case, model(x), y)
+            if loss.requires_grad:  # everything before the loss may be frozen or skipped
+                loss.backward()
+            entry["loss"].append(loss.detach().clone())
+        if sharded:
+            entry["grads"] = _gather_grads(named)
+        else:
+            entry["grads"] = {
+                n: None if p.grad is None else p.grad.detach().clone() for n, p in named
+            }
+        if case["clip"]:
+            params = [p for _, p in named if p.requires_grad]
+            entry["norm"] = _full(nn.utils.clip_grad_norm_(params, 0.5)).detach().reshape(1)
+        opt.step()
+        opt.zero_grad(set_to_none=case["set_to_none"])
+        if sharded and step + 1 in case["ops"]:
+            _apply_ops(model, case["ops"][step + 1], "post")
+        if case["sd_roundtrip"] and step == 0:
+            saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if case["sd_roundtrip"] and step == 1 and saved is not None:
+            model.load_state_dict(saved)
+        entry["params"] = {n: _full(p.detach()).clone() for n, p in named}
+        if step in case["eval_at"]:
+            x = make_batch(case, step, 0, "eval")[0][rows]
+            model.eval()
+            with torch.no_grad():
+                entry["eval"] = model(x).detach().float().clone()
+            model.train()
+        steps.append(entry)
+    return {"steps": steps}
+
+
+def run_impls(case: dict, impls: tuple[str, ...] = ("fsdp2", "torch")) -> dict[str, dict]:
+    """Rank function: train one sharded copy per implementation. Gradients and parameters
+    are kept on rank 0 only (their full tensors are the same on every rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    if ws != case["ws"]:
+        raise ValueError(f"case for {case['ws']} ranks run on {ws}")
+    mesh = init_device_mesh("cpu", (ws,))
+    records = {}
+    for impl in impls:
+        model = make_model(case)
+        shard(case, model, impl, mesh)
+        records[impl] = train(case, model, rank)
+        if rank != 0:
+            for entry in records[impl]["steps"]:
+                del entry["grads"], entry["params"]
+    return records
+
+
+def run_reference(case: dict) -> dict:
+    """The non-sharded model on the global batches (in this process)."""
+    return train(case, make_model(case), None)
+
+
+# ---------------------------------------------------------------------------- comparison
+
+
+def _diff(a: Any, b: Any) -> float:
+    if isinstance(a, str) or isinstance(b, str) or (a is None) != (b is None):
+        return math.inf
+    if a is None or (a.shape == b.shape and a.numel() == 0):
+        return 0.0
+    if a.shape != b.shape:
+        return math.inf
+    d = (a.float() - b.float()).abs().max().item()
+    return math.inf if math.isnan(d) else d
+
+
+def _scale(t: Any) -> float:
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 1.0
+    return max(1.0, t.float().abs().max().item())
+
+
+def _what(x: Any) -> str:
+    return x if isinstance(x, str) else "None" if x is None else f"tensor{tuple(x.shape)}"
+
+
+def compare_impls(a: list[dict], b: list[dict], tol: float = 0.0) -> list[str]:
+    """Differences between two sharded runs (per-rank records of one implementation),
+    above ``tol`` relative to the values' magnitude (0: bitwise)."""
+    problems = []
+    for rank, (ra, rb) in enumerate(zip(a, b)):
+        for s, (ea, eb) in enumerate(zip(ra["steps"], rb["steps"])):
+            for i, (la, lb) in enumerate(zip(ea["loss"], eb["loss"])):
+                if _diff(la, lb) > tol * _scale(lb):
+                    problems.append(
+                        f"rank {rank} step {s} microbatch {i}: loss {la.item()!r} vs {lb.item()!r}"
+                    )
+            for key in ("norm", "eval"):
+                if key in ea and _diff(ea[key], eb[key]) > tol * _scale(eb[key]):
+                    problems.append(
+                        f"rank {rank} step {s}: {key} differs by {_diff(ea[key], eb[key]):.3g}"
+                    )
+            if rank != 0:
+                continue
+            for key in ("grads", "params"):
+                for n, va in ea[key].items():
+                    vb = eb[key].get(n, "missing")
+                    if _diff(va, vb) > tol * _scale(vb):
+                        problems.append(
+                            f"step {s}: {key[:-1]} of {n} differs by {_diff(va, vb):.3g} ({_what(va)} vs {_what(vb)})"
+                        )
+    return problems
+
+
+def compare_reference(records: list[dict], ref: dict, case: dict) -> list[str]:
+    """Differences between a sharded run and the non-sharded reference, above
+    ``REF_TOL`` relative to the values' magnitude (losses: the mean over ranks)."""
+    tol = REF_TOL["bf16" if case["mp"] else "fp32"]
+    problems = []
+    for s, eref in enumerate(ref["steps"]):
+        for i, lref in enumerate(eref["loss"]):
+            mean = sum(r["steps"][s]["loss"][i] for r in records) / case["ws"]
+            if _diff(mean, lref) > tol * _scale(lref):
+                problems.append(
+                    f"step {s} microbatch {i}: loss {mean.item()!r} vs reference {lref.item()!r}"
+                )
+        if "norm" in eref and _diff(records[0]["steps"][s]["norm"], eref["norm"]) > tol * _scale(
+            eref["norm"]
+        ):
+            problems.append(f"step {s}: grad norm vs reference")
+        if "eval" in eref:
+            got = torch.cat([r["steps"][s]["eval"] for r in records])
+            if _diff(got, eref["eval"]) > 10 * tol * _scale(eref["eval"]):
+                problems.append(
+                    f"step {s}: eval output differs from the reference by {_diff(got, eref['eval']):.3g}"
+                )
+        for key in ("grads", "params"):
+            for n, v in eref[key].items():
+                got = records[0]["steps"][s][key].get(n, "missing")
+                if _diff(got, v) > tol * _scale(v):
+                    problems.append(
+                        f"step {s}: {key[:-1]} of {n} differs from the reference by {_diff(got, v):.3g} ({_what(got)} vs {_what(v)})"
+                    )
+    return problems
+
+
+def check(case: dict, timeout: float = 60.0) -> dict[str, Any]:
+    """Parent side: run both implementations and the reference; every difference."""
+    from _launcher import RankError, RankTimeoutError, run_ranks
+
+    out: dict[str, Any] = {"errors": {}}
+    results: dict[str, list[dict]] = {}
+    for impl in ("fsdp2", "torch"):  # one launch each, so a failure names its side
+        try:
+            results[impl] = [
+                r[impl] for r in run_ranks(run_impls, case["ws"], case, (impl,), timeout=timeout)
+            ]
+        except RankTimeoutError as error:
+            out["errors"][impl] = f"hang: {str(error)[:2000]}"
+        except RankError as error:
+            first = next(iter(error.remote.values()), None)
+            out["errors"][impl] = f"{first[0]}: {first[1]}\n{first[2]}" if first else str(error)
+    ref = run_reference(case)
+    if len(results) == 2:
+        out["fsdp2_vs_torch"] = compare_impls(
+            results["fsdp2"], results["torch"], IMPL_TOL[case["ws"]]
+        )
+        out["fsdp2_vs_torch_bitwise"] = compare_impls(results["fsdp2"], results["torch"])
+    for impl, records in results.items():
+        out[f"{impl}_vs_reference"] = compare_reference(records, ref, case)
+    return out
+
+
+def classify(out: dict[str, Any]) -> str:
+    errors = out["errors"]
+    if errors:
+        return "+".join(sorted(errors)) + "_error"
+    if out["fsdp2_vs_torch"]:
+        off = [impl for impl in ("fsdp2", "torch") if out[f"{impl}_vs_reference"]]
+        return "mismatch" + "".join(f"_{impl}_off_reference" for impl in off)
+    if out["fsdp2_vs_reference"]:
+        return "reference_mismatch" + ("_torch_too" if out["torch_vs_reference"] else "")
+    if out["fsdp2_vs_torch_bitwise"]:
+        return "ulp"
+    return "ok"
+
+
+def main(argv: list[str]) -> None:
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.dirname(here)]
+    from _launcher import shutdown_pools
+
+    torch.set_num_threads(1)
+    start, stop = int(argv[0]), int(argv[1])
+    verbose = "-v" in argv
+    counts: dict[str, int] = {}
+    try:
+        for seed in range(start, stop):
+            case = gen_case(seed)
+            out = check(case)
+            kind = classify(out)
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind != "ok" or verbose:
+                print(f"seed {seed}: {kind}", flush=True)
+            if verbose:
+                print(describe(case))
+                for key, value in out.items():
+                    for line in value.values() if key == "errors" else value:
+                        print(f"  {key}: {line}")
+    finally:
+        shutdown_pools()
+    print(counts)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
