@@ -121,6 +121,9 @@ class FSDPState:
         # forward's pre-backward has fired but whose own backward has not run yet.
         self._claims_this_forward = 0
         self._open_claims = 0
+        # Pending calls without a post-backward node (no input needed grad): nothing reports
+        # their backward, which may still read the parameters, so the group is not parked.
+        self._untracked_calls = 0
         self._backward_epoch = 0  # +1 whenever the count above is reset
         self._recompute_registers_backward = False
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
@@ -383,7 +386,11 @@ class FSDPState:
         if self.group is None:
             return args, kwargs
         self._pending_backward_calls += 1
-        return self._attach_post_backward(args, kwargs)
+        attached = self._claims_this_forward
+        args, kwargs = self._attach_post_backward(args, kwargs)
+        if self._claims_this_forward == attached:
+            self._untracked_calls += 1
+        return args, kwargs
 
     def _attach_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -464,13 +471,22 @@ class FSDPState:
         backward), the state is parked: if this module's next backward follows at once
         (``m(m(x))``) nothing happens; if another group's backward comes first, that
         group's pre-backward reduces and reshards this one, as torch does after each call,
-        so the model is never left gathered as a whole.
+        so the model is never left gathered as a whole. A state with a call that has no
+        post-backward node (``fully_shard([embed, head])``: the embedding's input needs no
+        gradient) is not parked: that call's backward may still be to come in this
+        backward and read the parameters (its inputs need no gradient, its parameters do),
+        and nothing would report it; the final callback reduces the group.
         """
         self._open_claims = max(0, self._open_claims - 1)
         if self._pending_backward_calls > 1:
             self._pending_backward_calls -= 1
             tree = self.tree
-            if self._open_claims == 0 and tree is not None and self not in tree.parked:
+            if (
+                self._open_claims == 0
+                and self._untracked_calls == 0
+                and tree is not None
+                and self not in tree.parked
+            ):
                 tree.parked.append(self)
             return
         self._pending_backward_calls = 0
@@ -513,6 +529,7 @@ class FSDPState:
                 group.reshard()
             state._post_backward_done = False
             state._open_claims = 0
+            state._untracked_calls = 0
             state._backward_epoch += 1
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
@@ -538,6 +555,7 @@ class FSDPState:
             state._pending_backward_calls = 0
             state._post_backward_done = False
             state._open_claims = 0
+            state._untracked_calls = 0
             state._backward_epoch += 1
             state._modules_to_run.clear()
             if state.group is not None:

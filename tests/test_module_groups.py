@@ -195,3 +195,60 @@ def test_checkpoint_recompute_sees_the_same_strides(impl: str, grouping: str) ->
     require_impl(impl)
     for rank, rep in enumerate(run_ranks(rank_checkpointed_frozen_tail, 2, impl, grouping)):
         assert rep["max_diff"] <= TOL, (rank, impl, grouping, rep)
+
+
+class _Gain(nn.Module):
+    """``(x @ w) * g``: backward reads the parameter ``g`` (saved by the multiplication)
+    even when ``x`` needs no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(DIM, DIM) / DIM**0.5)
+        self.g = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w) * self.g
+
+
+class FirstTakesRawInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _Gain()
+        self.middle = nn.Linear(DIM, DIM)
+        self.last = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+
+def rank_first_takes_raw_input(impl: str) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    ref = FirstTakesRawInput()
+    model = copy.deepcopy(ref)
+    fully_shard(model.middle)
+    fully_shard([model.first, model.last])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(ws * ROWS, DIM, generator=gen)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).pow(2).sum().backward()
+        (ref(x).pow(2).sum() / ws).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"max_diff": _max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_group_member_without_grad_inputs_keeps_parameters_for_backward(impl: str) -> None:
+    """``first``'s input needs no gradient, so no post-backward trigger reports its
+    backward, which still reads its parameter ``g``. ``last``'s trigger fired first and,
+    with the call of ``first`` still pending, the group was set aside and resharded at
+    ``middle``'s pre-backward: ``first``'s backward then read freed memory (a segfault)."""
+    require_impl(impl)
+    for rank, rep in enumerate(run_ranks(rank_first_takes_raw_input, 2, impl)):
+        assert rep["max_diff"] <= TOL, (rank, impl, rep)
