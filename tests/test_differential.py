@@ -49,18 +49,9 @@ from _fuzz import (
     run_impls,
     run_reference,
 )
-from _helpers import IMPLS, get_fully_shard, make_mesh, require_impl
+from _helpers import IMPLS, Scale, get_fully_shard, make_mesh, require_impl
 from _launcher import run_ranks
 from torch import nn
-
-
-class _Scale(nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
 
 
 class _Residual(nn.Module):
@@ -93,7 +84,7 @@ def _build(name: str) -> tuple[nn.Module, list[str]]:
     if name == "unaligned_weights":
         # One group; the (1,)-shaped scale comes first, so at world size 2 the weights
         # after it would start 8 bytes into the unsharded buffer if packed back to back.
-        model = nn.Sequential(_Scale(1), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+        model = nn.Sequential(Scale(1), nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
         return model, [""]
     if name == "paramless_wrapper":
         return _ParamlessWrapperNet(), ["block.lin", "block", ""]
