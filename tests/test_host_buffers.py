@@ -144,3 +144,54 @@ def test_pool_does_not_raise_peak_memory(tmp_path, monkeypatch: pytest.MonkeyPat
     pooled = _peak_bytes(tmp_path, "pooled")
     flag_bytes = 2 * 9 * 4
     assert pooled <= without + 4 * flag_bytes, (pooled, without)
+
+
+def _backward_peak_on_gloo(pooled: bool) -> int:
+    """Rank function: peak live tensor bytes of one backward on real gloo ranks, three
+    sharded MLP blocks resharded after forward (the shape of torch's upstream memory
+    test), with every buffer pooled or none."""
+    from benchmarks.memory import StepProbe, reachable_tensors
+
+    import fsdp2
+
+    host_buffers.MIN_POOLED_BYTES = 0 if pooled else 1 << 62
+    try:
+        torch.manual_seed(0)
+        dim = 64
+        blocks = [
+            torch.nn.Sequential(
+                torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(), torch.nn.Linear(4 * dim, dim)
+            )
+            for _ in range(3)
+        ]
+        model = torch.nn.Sequential(*blocks)
+        for block in blocks:
+            fsdp2.fully_shard(block)
+        fsdp2.fully_shard(model)
+        x = torch.randn(2, dim)
+        model(x).sum().backward()  # lazy init; gradients then stay allocated
+        probe = StepProbe()
+        probe.register(list(model.parameters()) + [p.grad for p in model.parameters()])
+        probe.register(reachable_tensors(model), persistent=True)
+        with probe:
+            loss = model(x).sum()
+            probe.peak = probe.total
+            loss.backward()
+            return probe.peak
+    finally:
+        host_buffers.MIN_POOLED_BYTES = 8 << 20
+
+
+@needs_swap
+def test_pooled_buffer_is_not_kept_across_the_older_reduction() -> None:
+    """A group's post-backward parks its unsharded buffer in the pool for its gradient
+    copy-in. Finishing the previous group's reduce-scatter before that copy-in kept the
+    parked buffer, the gradients and the older input live at once, and on gloo the wait
+    also surfaces the backend's copy of that input: one block above the pool-less peak
+    (torch's upstream memory test: 156.5 MB vs 128.2 MB)."""
+    pooled = run_ranks(_backward_peak_on_gloo, 2, True, timeout=90)
+    plain = run_ranks(_backward_peak_on_gloo, 2, False, timeout=90)
+    block_bytes = 2 * 64 * 256 * 4  # one unsharded block's weights (biases aside)
+    slack = 4 * 2 * 4 * 4  # the flag slack of a few pooled buffers (2 ranks x 4 params)
+    for with_pool, without in zip(pooled, plain):
+        assert with_pool <= without + slack, (with_pool, without, block_bytes)
