@@ -468,6 +468,15 @@ class ShardedParam:
         )
         return unsharded_flat.data[start:stop].view(ws, (stop - start) // ws)
 
+    def require_unsharded_param(self) -> nn.Parameter:
+        """``unsharded_param``, which exists once the group's lazy init made it."""
+        if self.unsharded_param is None:
+            raise RuntimeError(
+                f"fully_shard: parameter '{self.fqn}' has no unsharded parameter "
+                f"(used before lazy initialization)"
+            )
+        return self.unsharded_param
+
     def sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         """Wrap a reduced local gradient shard as a DTensor shaped like the parameter."""
         meta = self._spec.tensor_meta  # set: the spec was built with shape and stride
