@@ -208,7 +208,7 @@ class ParamGroup:
         self.device = torch.device("meta") if on_meta else device  # where compute runs
         # CPU offload: shards (the all-gather source) and gradients live in CPU memory.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self.pin_memory = self.offload and offload_policy.pin_memory  # type: ignore[attr-defined]
+        self.pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         self.shard_device = torch.device("cpu") if self.offload and not on_meta else self.device
         self.flat_shard = self._new_flat_shard(self.shard_device)
         for sp, full in pairs:
