@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 from torch import nn
@@ -46,9 +46,29 @@ _FSDP_CLASSES: dict[type, type] = {}
 
 
 @overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any | None = ...,
+) -> FSDPModule: ...
 @overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any | None = ...,
+) -> list[FSDPModule]: ...
 
 
 def fully_shard(
@@ -141,10 +161,12 @@ def fully_shard(
         m._fsdp_state = state  # type: ignore[assignment]
         m.__class__ = _fsdp_class(type(m))
     mark_composable(modules)
-    return list(modules) if isinstance(module, (list, tuple)) else modules[0]  # type: ignore[return-value]
+    # Each module's class is now an FSDPModule subclass (assigned just above).
+    fsdp_modules = [cast(FSDPModule, m) for m in modules]
+    return fsdp_modules if isinstance(module, (list, tuple)) else fsdp_modules[0]
 
 
-def _fsdp_class(cls: type) -> type:
+def _fsdp_class(cls: type[nn.Module]) -> type:
     """``FSDP<Name>``: subclass of ``FSDPModule`` and ``cls``, created once per class."""
     cached = _FSDP_CLASSES.get(cls)
     if cached is not None:
@@ -152,8 +174,9 @@ def _fsdp_class(cls: type) -> type:
     original_forward = cls.forward
 
     @functools.wraps(original_forward)
-    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state: FSDPState = self._fsdp_state
+    def forward(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
+        # ``self`` is an FSDP<Name> instance: installed on that class only.
+        state = self._fsdp_state
         group = state.group
         if (
             group is not None
@@ -171,7 +194,8 @@ def _fsdp_class(cls: type) -> type:
     namespace: dict[str, Any] = {"forward": forward}
     for name, method in _public_methods(cls).items():
         namespace[name] = _explain_sharded_errors(method)
-    fsdp_cls = type(cls)(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
+    metaclass: type[type] = type(cls)  # usually ``type``; a custom metaclass is kept
+    fsdp_cls = metaclass(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
     _FSDP_CLASSES[cls] = fsdp_cls
     return fsdp_cls
 

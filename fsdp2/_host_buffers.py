@@ -116,7 +116,7 @@ class HostBufferPool:
         while len(self._free) >= self.max_buffers:
             self._free.pop(0)
         holder = torch.empty(0, dtype=torch.uint8)
-        holder.untyped_storage()._swap_data_ptr_(storage)
+        holder.untyped_storage()._swap_data_ptr_(storage)  # type: ignore[attr-defined]
         self._free.append(holder)
         return True
 
@@ -128,7 +128,7 @@ class HostBufferPool:
         storage = self._take(nbytes)
         if storage is None:
             storage = torch.UntypedStorage(nbytes + self.slack_bytes, device=device)
-        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,))
+        return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
     def release(self, tensor: torch.Tensor) -> None:
         """Give back a buffer from ``empty`` that nothing will use again (on the CPU, once
@@ -146,7 +146,7 @@ class HostBufferPool:
         if pooled is None:
             storage.resize_(nbytes + self.slack_bytes)
         else:
-            storage._swap_data_ptr_(pooled)
+            storage._swap_data_ptr_(pooled)  # type: ignore[attr-defined]
 
     def drain(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory (into the pool, or back to the allocator)."""

@@ -91,18 +91,20 @@ def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ..
     return modules
 
 
-def check_reshard_after_forward_type(value: object) -> None:
+def check_reshard_after_forward_type(value: object) -> int | None:
+    """``value`` itself (bool is an int), or a TypeError if it is no valid type."""
     if value is not None and not isinstance(value, int):  # bool is an int
         raise TypeError(
             f"fully_shard(reshard_after_forward=...) expects True, False, None or an int, "
             f"got {value!r}."
         )
+    return value
 
 
 def validate_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None:
     """True/False/None as given; an int N is normalized: N == shard size -> True,
     N == 1 -> False, otherwise N (1 < N < shard size, dividing it)."""
-    check_reshard_after_forward_type(value)
+    value = check_reshard_after_forward_type(value)
     if value is None or isinstance(value, bool):
         return value
     shard_size = mesh.size(mesh.ndim - 1)

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -339,7 +339,13 @@ class ShardedParam:
         """The sharded parameter's local tensor, whatever storage it currently uses. Read
         without dispatching an op, so it also works under ``torch.func`` transforms (a
         first forward inside ``jvp``), which would wrap the result."""
-        return self.sharded_param._local_tensor
+        return self.sharded_dtensor()._local_tensor
+
+    def sharded_dtensor(self) -> DTensor:
+        """``sharded_param`` typed as what it is: ``nn.Parameter(dtensor)`` is an instance
+        of ``DTensor`` (Parameter subclasses the wrapped tensor's class)."""
+        # cast, not isinstance: free on the hot path, and every assignment wraps a DTensor.
+        return cast(DTensor, self.sharded_param)
 
     def points_into(self, flat_shard: torch.Tensor) -> bool:
         """Whether the local tensor is still our view (``.to()``/``assign=True`` replace it)."""
@@ -374,8 +380,9 @@ class ShardedParam:
                 view.copy_(local)
         if self.tied_to is not None:
             return  # the DTensor stays the owner's view
-        self.sharded_param._local_tensor = view
-        self._spec = self.sharded_param._spec  # module.to(dtype) may have changed it
+        dtensor = self.sharded_dtensor()
+        dtensor._local_tensor = view
+        self._spec = dtensor._spec  # module.to(dtype) may have changed it
 
     def adopt_assigned(self) -> None:
         """Make the parameter now registered on the module our sharded parameter, if
@@ -461,9 +468,19 @@ class ShardedParam:
         )
         return unsharded_flat.data[start:stop].view(ws, (stop - start) // ws)
 
+    def require_unsharded_param(self) -> nn.Parameter:
+        """``unsharded_param``, which exists once the group's lazy init made it."""
+        if self.unsharded_param is None:
+            raise RuntimeError(
+                f"fully_shard: parameter '{self.fqn}' has no unsharded parameter "
+                f"(used before lazy initialization)"
+            )
+        return self.unsharded_param
+
     def sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         """Wrap a reduced local gradient shard as a DTensor shaped like the parameter."""
-        if local_grad.dtype == self._spec.tensor_meta.dtype:
+        meta = self._spec.tensor_meta  # set: the spec was built with shape and stride
+        if meta is not None and local_grad.dtype == meta.dtype:
             return DTensor(local_grad, self._spec, requires_grad=False)
         return DTensor.from_local(  # a dtype the cached spec does not describe
             local_grad,

@@ -82,6 +82,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -207,7 +208,7 @@ class ParamGroup:
         self.device = torch.device("meta") if on_meta else device  # where compute runs
         # CPU offload: shards (the all-gather source) and gradients live in CPU memory.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        self.pin_memory = self.offload and offload_policy.pin_memory  # type: ignore[attr-defined]
+        self.pin_memory = isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
         self.shard_device = torch.device("cpu") if self.offload and not on_meta else self.device
         self.flat_shard = self._new_flat_shard(self.shard_device)
         for sp, full in pairs:
@@ -434,7 +435,7 @@ class ParamGroup:
                     self.world_size * self.gather_numel, self.gather_dtype, self.device
                 )
             if post_forward:
-                ag_input, group = self._post_forward_shard, self.post_forward_group
+                ag_input, group = self._require_post_forward_shard(), self.post_forward_group
                 wait_event(stream, self._post_forward_ready)  # written on the compute stream
                 self._post_forward_shard = self._post_forward_ready = None
             else:
@@ -493,7 +494,7 @@ class ParamGroup:
             comm.host_buffers.release(in_flight.output)
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
-            unsharded = p.unsharded_param
+            unsharded = p.require_unsharded_param()
             if unsharded.requires_grad != p.sharded_param.requires_grad:
                 unsharded.requires_grad_(p.sharded_param.requires_grad)
             p.register(unsharded)
@@ -526,13 +527,14 @@ class ParamGroup:
         )
 
     def _alloc_unsharded(self) -> None:
-        storage = self.unsharded_flat.untyped_storage()
-        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        flat = self._require_unsharded_flat()
+        storage = flat.untyped_storage()
+        nbytes = flat.numel() * flat.element_size()
         if storage.size() < nbytes:
             self._require_comm().host_buffers.fill(storage, nbytes)
 
     def _free_unsharded(self) -> None:
-        storage = self.unsharded_flat.untyped_storage()
+        storage = self._require_unsharded_flat().untyped_storage()
         if self.comm is None:  # at lazy init, before any use
             storage.resize_(0)
         else:
@@ -565,9 +567,10 @@ class ParamGroup:
         # into ``ws`` chunks of its padded shard, one chunk per rank's input slice.
         rows: list[torch.Tensor] = []
         for p, grad in zip(self.params[:count], grads):
-            p.unsharded_param.grad = None
+            unsharded = p.require_unsharded_param()
+            unsharded.grad = None
             if grad is None:
-                dtype = p.unsharded_param.dtype
+                dtype = unsharded.dtype
                 padded_rows = (ws * p.rows_per_rank, p.row_numel)
                 rows.append(grad_zeros(padded_rows, dtype, self.device))
             else:
@@ -625,7 +628,9 @@ class ParamGroup:
             return
         for p in self.params:
             unsharded = p.unsharded_param
-            grad = unsharded.grad if unsharded is not None else None
+            if unsharded is None:
+                continue
+            grad = unsharded.grad
             if grad is None or grad.dtype == dtype:
                 continue
             if p.accumulated_grad is None:
@@ -636,7 +641,7 @@ class ParamGroup:
 
     def _take_unsharded_grad(self, p: ShardedParam) -> torch.Tensor | None:
         """The parameter's unsharded gradient, with any unsynced sum added (and cleared)."""
-        grad = p.unsharded_param.grad
+        grad = p.require_unsharded_param().grad
         total = p.accumulated_grad
         if total is None:
             return grad
@@ -673,7 +678,7 @@ class ParamGroup:
         output = in_flight.output
         predivide = self.predivide_factor(output.dtype)
         if self.replicate_group is not None:
-            reduced = self._all_reduce_replicas(output)
+            reduced = self._all_reduce_replicas(output, self.replicate_group)
             if reduced is None:
                 return  # accumulated locally until the next step that all-reduces
             output = reduced
@@ -707,9 +712,14 @@ class ParamGroup:
             existing = param.grad
             if existing is None:
                 param.grad = p.sharded_grad(local)
-            else:
+            elif isinstance(existing, DTensor):
                 with torch.no_grad():
                     existing.to_local().add_(local)
+            else:  # torch lets a plain tensor be assigned as a DTensor parameter's .grad
+                raise RuntimeError(
+                    f"fully_shard: parameter '{p.fqn}' has a {type(existing).__name__} "
+                    f"gradient; a sharded parameter's gradient must be None or a DTensor"
+                )
             # Hooks registered with register_post_accumulate_grad_hook on the sharded
             # parameter (e.g. an optimizer stepping inside backward) see the reduced grad.
             hooks = getattr(param, "_post_accumulate_grad_hooks", None)
@@ -739,9 +749,12 @@ class ParamGroup:
             start = stop
         return shards
 
-    def _all_reduce_replicas(self, output: torch.Tensor) -> torch.Tensor | None:
-        """HSDP: sum the reduce-scattered shard over replicas (or keep it for later when
-        ``requires_all_reduce`` is off); ``None`` means nothing to assign yet."""
+    def _all_reduce_replicas(
+        self, output: torch.Tensor, replicate_group: ProcessGroup
+    ) -> torch.Tensor | None:
+        """HSDP: sum the reduce-scattered shard over replicas (``replicate_group``), or
+        keep it for later when ``requires_all_reduce`` is off; ``None`` means nothing to
+        assign yet."""
         partial = self._partial_reduce
         if partial is not None and partial.numel() >= output.numel():
             partial[: output.numel()].add_(output)
@@ -755,7 +768,7 @@ class ParamGroup:
         comm = self._require_comm()
         stream = comm.streams.all_reduce
         wait_stream(stream, comm.streams.compute())
-        pending = all_reduce_flat(output, self.replicate_group, stream)
+        pending = all_reduce_flat(output, replicate_group, stream)
         wait(pending, comm.streams.compute())
         return output
 
@@ -782,6 +795,21 @@ class ParamGroup:
         if self.comm is None:
             raise AssertionError(f"{self.label}: used before lazy initialization")
         return self.comm
+
+    def _require_unsharded_flat(self) -> torch.Tensor:
+        if self.unsharded_flat is None:
+            raise RuntimeError(
+                f"{self.label}: no unsharded buffer (used before lazy initialization)"
+            )
+        return self.unsharded_flat
+
+    def _require_post_forward_shard(self) -> torch.Tensor:
+        if self._post_forward_shard is None:
+            raise RuntimeError(
+                f"{self.label}: resharded after forward (reshard_after_forward=int) but "
+                f"holds no post-forward shard to all-gather"
+            )
+        return self._post_forward_shard
 
 
 # See [Note: aligned unsharded parameters].

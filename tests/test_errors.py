@@ -203,6 +203,11 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         parallelize_module(block, world["tp"], {"lin": ColwiseParallel()})
         fsdp2.fully_shard(block, mesh=world["dp"])
 
+    def plain_tensor_grad_on_sharded_param() -> None:
+        model = _sharded_root()
+        model.a.lin.weight.grad = torch.zeros(4, 4)  # torch accepts it on a DTensor parameter
+        model(x).sum().backward()
+
     return {
         name: fn
         for name, fn in locals().items()
@@ -284,6 +289,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"'lin\.weight' is a DTensor on .*not the last dimension of the data-parallel",
     ),
     "tp_on_an_outer_dim": ("NotImplementedError", r"'lin\.weight'.*data-parallel dims must be"),
+    "plain_tensor_grad_on_sharded_param": (
+        "RuntimeError",
+        r"parameter 'lin\.weight' has a Tensor gradient.*None or a DTensor",
+    ),
     "unused_params_not_bool": ("ValueError", r"set_reduce_scatter_unused_params expects a bool"),
 }
 
