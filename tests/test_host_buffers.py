@@ -150,9 +150,8 @@ def _backward_peak_on_gloo(pooled: bool) -> int:
     """Rank function: peak live tensor bytes of one backward on real gloo ranks, three
     sharded MLP blocks resharded after forward (the shape of torch's upstream memory
     test), with every buffer pooled or none."""
-    from benchmarks.memory import StepProbe, reachable_tensors
-
     import fsdp2
+    from benchmarks.memory import StepProbe, reachable_tensors
 
     host_buffers.MIN_POOLED_BYTES = 0 if pooled else 1 << 62
     try:
