@@ -589,22 +589,12 @@ class ParamGroup:
         numel = sum(self._reduce_sizes[:count]) + count
         comm = self._require_comm()
         compute = comm.streams.compute()
-        # At most ``max_reduces_in_flight`` reductions may be in flight once this one is
-        # issued, so older ones are finished (freeing their inputs) first: before
-        # allocating this input, unless the host buffer pool already holds the memory
-        # for it (this group's just-freed unsharded buffer). Then the gradients are
-        # copied in and freed first, so the pooled buffer, these gradients and the
-        # older reduction's input are never live together. See [Note: host buffer
-        # pool].
-        keep = comm.max_reduces_in_flight - 1
-        reuses_held_memory = comm.host_buffers.holds(ws * numel * reduce_dtype.itemsize)
-        if not reuses_held_memory:
-            comm.finish_reduces(keep=keep)
+        # Bound memory before allocating: finish older reductions (freeing their inputs)
+        # so that with this one at most ``max_reduces_in_flight`` are in flight.
+        comm.finish_reduces(keep=comm.max_reduces_in_flight - 1)
         rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
         self._copy_in_grads(rows, rs_input.view(ws, numel))
         del rows, grads  # the unsharded gradients die here, not when this returns
-        if reuses_held_memory:
-            comm.finish_reduces(keep=keep)
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
             rs_input.div_(predivide)
