@@ -38,7 +38,18 @@ optimizer state) and, for the rest, by flags gathered while the step ran.
 
 Limitations: temporaries created *inside* a single kernel or inside a DTensor/custom-op
 dispatch and freed before it returns are invisible (the allocator is never consulted), and so
-is memory that backends allocate outside the PyTorch allocator (gloo's own buffers).
+is memory that backends allocate outside the PyTorch allocator (gloo's own buffers), with one
+modelled exception:
+
+* **gloo's reduce-scatter copy.** gloo's ``reduce_scatter_tensor`` clones its whole input when
+  the collective is issued, all-reduces the clone, and in ``Work.wait()`` splits it and copies
+  this rank's chunk out (``benchmarks/gloo_collective_memory.py`` measures it). The clone is
+  allocated in C++, so the dispatcher first sees it at that ``aten.split``. A synchronous
+  reduce-scatter (torch's CPU path) waits at once, but an asynchronous one (fsdp2 overlaps it
+  with the next block's backward) keeps the clone alive, unseen, until the wait. The probe
+  therefore charges the input's bytes from the issue of a reduce-scatter on a gloo group
+  (flagged ``comm``) and moves the charge onto the clone's storage when the split surfaces it
+  (or drops it when the chunk is copied out, if no split is seen).
 """
 
 from __future__ import annotations
@@ -233,6 +244,19 @@ def _collective_kind(op_name: str) -> str:
     return "other"
 
 
+def _on_gloo(args: tuple) -> bool:
+    """Whether a c10d op's process group argument is a gloo group."""
+    import torch.distributed as dist
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(arg).name() == "gloo"
+            except RuntimeError:  # another custom class (the ReduceOp)
+                continue
+    return False
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     leaves, _ = tree_flatten(obj)
     for leaf in leaves:
@@ -337,6 +361,9 @@ class StepProbe(TorchDispatchMode):
         # Registered storages inside another registered storage -> that storage.
         self._registered: dict[int, torch.UntypedStorage] = {}
         self._outer: dict[int, torch.UntypedStorage] = {}
+        # gloo reduce-scatters in flight: output storage key -> (charge key, input bytes).
+        self._gloo_clones: dict[int, tuple[int, int]] = {}
+        self._charge_keys = itertools.count(-1, -1)  # never a real storage's _cdata
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> StepProbe:
@@ -467,7 +494,11 @@ class StepProbe(TorchDispatchMode):
             self.c10d_bytes[f"{ns}::{name}"] += sum(local_nbytes(t) for t in in_tensors)
             self._note_collective(schema, name, args, kwargs)
 
+        if self.track_memory and self._gloo_clones and name in ("split", "copy_"):
+            self._settle_gloo_clone(name, in_tensors)
         out = func(*args, **kwargs)
+        if self.track_memory and is_coll and "reduce_scatter" in name and _on_gloo(args):
+            self._charge_gloo_clone(schema, args, kwargs)
 
         if name in COPY_OP_NAMES:
             self._count_copy(func, schema, name, args, kwargs, out)
@@ -491,6 +522,52 @@ class StepProbe(TorchDispatchMode):
                         if is_coll:
                             rec.flags.add("comm")
         return out
+
+    def _charge_gloo_clone(self, schema: Any, args: tuple, kwargs: dict) -> None:
+        """Charge gloo's hidden clone of a reduce-scatter input from the issue on (see the
+        module docstring), keyed by the output that its wait fills."""
+        in_bytes, out_key = 0, None
+        for i, arg in enumerate(schema.arguments):
+            val = kwargs.get(arg.name, args[i] if i < len(args) else None)
+            for t in _tensors(val):
+                st = _storage_of(t)
+                if st is None:
+                    continue
+                if "input" in arg.name:
+                    in_bytes += t.numel() * t.element_size()
+                elif "output" in arg.name:
+                    out_key = st._cdata
+        if not in_bytes or out_key is None:
+            return
+        charge = next(self._charge_keys)
+        rec = _Rec(next(self._uids), in_bytes, self.phase, False)
+        rec.flags.add("comm")
+        self._live[charge] = rec
+        self._gloo_clones[out_key] = (charge, in_bytes)
+        self._grow(in_bytes, False)
+
+    def _settle_gloo_clone(self, name: str, in_tensors: list[torch.Tensor]) -> None:
+        """End a charge where the wait surfaces the clone: at the ``split`` of a storage
+        never seen before with the charged size (which is then tracked as usual), or at the
+        ``copy_`` into the reduce-scatter's output."""
+        if not in_tensors:
+            return
+        st = _storage_of(in_tensors[0])
+        if st is None:
+            return
+        key = st._cdata
+        if name == "copy_":
+            found = self._gloo_clones.pop(key, None)
+        elif key in self._live:
+            return
+        else:
+            nbytes = st.nbytes()
+            out_key = next((k for k, v in self._gloo_clones.items() if v[1] == nbytes), None)
+            found = self._gloo_clones.pop(out_key) if out_key is not None else None
+        if found is not None:
+            rec = self._live.pop(found[0], None)
+            if rec is not None:
+                self._grow(-rec.nbytes, False)
 
     def _note_collective(self, schema: Any, name: str, args: tuple, kwargs: dict) -> None:
         """Attribute pending copies into this collective's inputs; remember its outputs.

@@ -184,3 +184,42 @@ def test_gpu_config_only_on_accelerators_and_its_target() -> None:
     entry["results"]["fsdp2"]["memory"]["cuda_peak_bytes"] = 12
     (row,) = [t for t in targets([entry]) if t["target"].startswith("GPU")]
     assert row["met"] is False
+
+
+def _probe_async_gloo_reduce_scatter() -> dict[str, int]:
+    """Rank function: live bytes the probe reports around an asynchronous gloo
+    reduce-scatter of a 1 MiB input, with a tensor allocated while it is in flight."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.memory import StepProbe
+
+    n = 1 << 18
+    x = torch.ones(dist.get_world_size() * n // 2)
+    out = torch.empty(n // 2)
+    probe = StepProbe()
+    probe.register([x, out], persistent=True)
+    with probe:
+        base = probe.total
+        work = dist.reduce_scatter_tensor(out, x, async_op=True)
+        in_flight = probe.total - base
+        scratch = torch.zeros(n)  # compute overlapping the collective
+        overlap_peak = probe.peak - base
+        work.wait()
+        del scratch, work  # the work holds the clone until it dies
+        after = probe.total - base
+    return {"in_flight": in_flight, "overlap_peak": overlap_peak, "after": after, "x": x.nbytes}
+
+
+def test_probe_charges_gloos_reduce_scatter_clone_while_in_flight() -> None:
+    """gloo clones a reduce-scatter's input at issue and frees the clone in ``wait()``,
+    outside the allocator the dispatcher sees: the probe charges it from the issue
+    (else an overlapped reduce-scatter looks one input cheaper than it is) and releases
+    the charge once the wait has surfaced the clone (tracked from then on, until the
+    work dies)."""
+    from _launcher import run_ranks
+
+    for r in run_ranks(_probe_async_gloo_reduce_scatter, 2, timeout=60):
+        assert r["in_flight"] == r["x"], r
+        assert r["overlap_peak"] == r["x"] + 4 * (1 << 18), r
+        assert r["after"] == 0, r
