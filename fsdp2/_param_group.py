@@ -87,6 +87,26 @@ chunks up to 2 MiB) and ``k = 4, 8, 16``, so every element is summed in torch's 
 there; larger groups can still differ in the last bit at the first few elements of a
 rank's chunk. At 2 ranks the order of a two-term sum does not matter. The cost is at most
 64 bytes per rank per reduce-scatter.
+
+[Note: stale unsharded parameters]
+A group that stays unsharded after its forward (``reshard_after_forward=False``, the root
+by default, or ``unshard()`` called by the user) is normally resharded by its
+post-backward, before the optimizer runs. Without a backward (the loss was discarded, a
+forward with grad enabled for logging, a step whose outputs needed no gradient) it stays
+unsharded through ``optimizer.step()``, which writes only the shards; the next forward
+would find the group unsharded and compute with the old weights (torch's ``fully_shard``
+does). So every all-gather records the flat shard it read and the version counters of it and
+of the sharded parameters (an optimizer's in-place update bumps the ``DTensor``'s own
+counter, not its local tensor's: one integer read per parameter per step), and the
+root's pre-forward reshards
+any group whose shards changed since: its forward gathers the current values. Forwards
+without an update in between (several forwards then one backward, eval loops) see the
+same version and keep their unsharded parameters. The same holds for a kept post-forward
+share of ``reshard_after_forward=k``, and for a user's ``unshard()`` followed by an
+optimizer step: a forward always uses the current shards. Resharding keeps the unsharded
+buffer's storage object (it is only emptied), so an older graph that saved the unsharded
+parameters and still runs a backward sees the re-gathered values, as a non-sharded model's
+graph would see its in-place updated parameters.
 """
 
 from __future__ import annotations
@@ -239,6 +259,9 @@ class ParamGroup:
         # Parameters tied after sharding to another's DTensor: their slots are refreshed
         # before each all-gather (see [Note: weights tied after sharding] in ``_param``).
         self._tied: list[ShardedParam] = []
+        # The flat shard (its id and version) the unsharded parameters were last gathered
+        # from; see [Note: stale unsharded parameters].
+        self._gathered_from: tuple[int, int] | None = None
         self._all_gather: AllGatherInFlight | None = None
         # reshard_after_forward=int (see ``set_post_forward_group``).
         self.post_forward_group: Any = None
@@ -465,6 +488,7 @@ class ParamGroup:
             else:
                 for p in self._tied:
                     p.refresh_tied(self.flat_shard)
+                self._gathered_from = self._shard_version()
                 ag_input = self._all_gather_input(output)
                 group = self.process_group
             if self.world_size == 1:
@@ -493,6 +517,28 @@ class ParamGroup:
         # Mixed dtypes gathered in param_dtype: one cat casts every typed slot at once.
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
+
+    def reshard_if_stale(self) -> bool:
+        """Reshard (dropping a kept post-forward share too) when the shards were written
+        since the unsharded parameters were gathered from them, so the next unshard
+        gathers the current values; see [Note: stale unsharded parameters]. Returns
+        whether it resharded."""
+        gathered = self.is_unsharded or self.unshard_pending
+        if not gathered and self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
+            return False
+        if self._gathered_from == self._shard_version():
+            return False
+        self.reshard()
+        return True
+
+    def _shard_version(self) -> tuple[int, int]:
+        """Identifies the values of the shards: the flat shard's identity and the sum of the
+        version counters of it and of every sharded parameter (each counter only grows, so
+        the sum changes with any of them). The parameters' own counters are needed: an
+        optimizer updates each ``DTensor`` in place, which bumps the wrapper's counter
+        but not that of the local tensor (written below autograd) or of the flat shard."""
+        flat = self.flat_shard
+        return id(flat), flat._version + sum(p.sharded_param._version for p in self.params)
 
     @_outside_functorch
     def wait_for_unshard(self) -> None:
