@@ -65,12 +65,48 @@ prefix is fixed by ``requires_grad`` (every parameter up to the last trainable o
 missing gradient contributes zeros, and each rank's chunk of the reduce-scatter input ends
 with one flag per parameter (1 if this rank had its gradient). After the sum, a rank stores
 a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
-non-sharded training. The flags cost ``world_size`` elements per parameter in each
-reduce-scatter input and one per parameter in the reduced gradients; nothing else is kept
-between steps, and the buffer pool's slack is sized for them. Only a rank that lacked
-some gradient itself reads them (a host sync on accelerators).
-A group with no gradient on any rank still reduces (zeros): the schedule of collectives
-must not depend on data.
+non-sharded training. Only a rank that lacked some gradient itself reads them (a host sync
+on accelerators). A group with no gradient on any rank still reduces (zeros): the schedule
+of collectives must not depend on data.
+The flags region of a chunk is padded with zeros to a multiple of
+``REDUCE_FLAG_ALIGN_BYTES`` (64); see [Note: padded gradient flags]. The flags cost that
+region per rank in each reduce-scatter input and once in the reduced gradients; nothing
+is kept between steps, and the buffer pool's slack is sized for them.
+
+[Note: padded gradient flags]
+The flags lengthen each rank's chunk of the reduce-scatter input from torch's ``S``
+elements (the padded shards) to ``S + F``, and how a backend sums a chunk can depend on
+that length. Gloo's ring splits the whole input into ``k`` segments per rank of
+``ceil(chunk / k)`` elements (``k = 2`` while a segment stays under 1 MiB, more beyond),
+so rank ``r``'s first ``r * ((-chunk) % k)`` elements belong to the segment of rank
+``r - 1``, which adds the ranks' terms in another order. With one flag per parameter
+(``F = count``) that changed with the parity of ``count``: at 3 ranks gradients came out
+one ulp off torch's. Padding ``F`` to 64 bytes (16 fp32 or 32 bf16 elements) keeps
+``S + F = S (mod k)`` for every ``k`` dividing that, which covers ``k = 2`` (per-rank
+chunks up to 2 MiB) and ``k = 4, 8, 16``, so every element is summed in torch's order
+there; larger groups can still differ in the last bit at the first few elements of a
+rank's chunk. At 2 ranks the order of a two-term sum does not matter. The cost is at most
+64 bytes per rank per reduce-scatter.
+
+[Note: stale unsharded parameters]
+A group that stays unsharded after its forward (``reshard_after_forward=False``, the root
+by default, or ``unshard()`` called by the user) is normally resharded by its
+post-backward, before the optimizer runs. Without a backward (the loss was discarded, a
+forward with grad enabled for logging, a step whose outputs needed no gradient) it stays
+unsharded through ``optimizer.step()``, which writes only the shards; the next forward
+would find the group unsharded and compute with the old weights (torch's ``fully_shard``
+does). So every all-gather records the flat shard it read and the version counters of it and
+of the sharded parameters (an optimizer's in-place update bumps the ``DTensor``'s own
+counter, not its local tensor's: one integer read per parameter per step), and the
+root's pre-forward reshards
+any group whose shards changed since: its forward gathers the current values. Forwards
+without an update in between (several forwards then one backward, eval loops) see the
+same version and keep their unsharded parameters. The same holds for a kept post-forward
+share of ``reshard_after_forward=k``, and for a user's ``unshard()`` followed by an
+optimizer step: a forward always uses the current shards. Resharding keeps the unsharded
+buffer's storage object (it is only emptied), so an older graph that saved the unsharded
+parameters and still runs a backward sees the re-gathered values, as a non-sharded model's
+graph would see its in-place updated parameters.
 """
 
 from __future__ import annotations
@@ -224,6 +260,9 @@ class ParamGroup:
         # Parameters tied after sharding to another's DTensor: their slots are refreshed
         # before each all-gather (see [Note: weights tied after sharding] in ``_param``).
         self._tied: list[ShardedParam] = []
+        # The flat shard (its id and version) the unsharded parameters were last gathered
+        # from; see [Note: stale unsharded parameters].
+        self._gathered_from: tuple[int, int] | None = None
         self._all_gather: AllGatherInFlight | None = None
         # reshard_after_forward=int (see ``set_post_forward_group``).
         self.post_forward_group: Any = None
@@ -346,10 +385,19 @@ class ParamGroup:
 
     @property
     def reduce_flag_bytes(self) -> int:
-        """What the has-gradient flags add to a reduce-scatter input: one element per
-        parameter per rank (see [Note: gradients some ranks lack])."""
+        """The most the has-gradient flags add to a reduce-scatter input: the padded flags
+        region of every parameter, per rank (see [Note: gradients some ranks lack]). A
+        mixed group's reduce dtype is chosen per step; its widest candidate bounds it."""
         dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params)
-        return self.world_size * len(self.params) * dtype.itemsize
+        return self.world_size * self.flag_numel(len(self.params), dtype) * dtype.itemsize
+
+    def flag_numel(self, count: int, dtype: torch.dtype) -> int:
+        """Elements of the flags region at the end of each rank's reduce-scatter chunk:
+        ``count`` flags, zero-padded to a multiple of ``REDUCE_FLAG_ALIGN_BYTES`` so the
+        chunk keeps torch's length modulo the backend's segmenting (see
+        [Note: padded gradient flags])."""
+        per_region = max(1, REDUCE_FLAG_ALIGN_BYTES // dtype.itemsize)
+        return -(-count // per_region) * per_region
 
     def set_post_forward_group(self, group: Any, size: int, index: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of each parameter,
@@ -441,6 +489,7 @@ class ParamGroup:
             else:
                 for p in self._tied:
                     p.refresh_tied(self.flat_shard)
+                self._gathered_from = self._shard_version()
                 ag_input = self._all_gather_input(output)
                 group = self.process_group
             if self.world_size == 1:
@@ -469,6 +518,28 @@ class ParamGroup:
         # Mixed dtypes gathered in param_dtype: one cat casts every typed slot at once.
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
+
+    def reshard_if_stale(self) -> bool:
+        """Reshard (dropping a kept post-forward share too) when the shards were written
+        since the unsharded parameters were gathered from them, so the next unshard
+        gathers the current values; see [Note: stale unsharded parameters]. Returns
+        whether it resharded."""
+        gathered = self.is_unsharded or self.unshard_pending
+        if not gathered and self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
+            return False
+        if self._gathered_from == self._shard_version():
+            return False
+        self.reshard()
+        return True
+
+    def _shard_version(self) -> tuple[int, int]:
+        """Identifies the values of the shards: the flat shard's identity and the sum of the
+        version counters of it and of every sharded parameter (each counter only grows, so
+        the sum changes with any of them). The parameters' own counters are needed: an
+        optimizer updates each ``DTensor`` in place, which bumps the wrapper's counter
+        but not that of the local tensor (written below autograd) or of the flat shard."""
+        flat = self.flat_shard
+        return id(flat), flat._version + sum(p.sharded_param._version for p in self.params)
 
     @_outside_functorch
     def wait_for_unshard(self) -> None:
@@ -576,17 +647,21 @@ class ParamGroup:
             else:
                 rows.append(p.as_rows(grad))
         # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
-        # the sum each rank knows how many ranks had each gradient, for free.
-        # The common case (every gradient present) fills one element on the device: no
-        # host-to-device copy, and nothing kept between steps (the flags cost memory only
-        # inside the collective's buffers).
+        # the sum each rank knows how many ranks had each gradient, for free. The region
+        # is zero-padded to keep torch's summation order ([Note: padded gradient flags]).
+        # The common case (every gradient present) fills on the device: no host-to-device
+        # copy, and nothing kept between steps (the flags cost memory only inside the
+        # collective's buffers).
         has_grad = [g is not None for g in grads]
+        flag_numel = self.flag_numel(count, reduce_dtype)
         if all(has_grad):
-            flags = torch.ones(1, dtype=reduce_dtype, device=self.device).expand(ws, count)
+            flags = torch.zeros(flag_numel, dtype=reduce_dtype, device=self.device)
+            flags[:count].fill_(1)
         else:
-            flags = torch.tensor(has_grad, dtype=reduce_dtype, device=self.device).expand(ws, -1)
-        rows.append(flags)
-        numel = sum(self._reduce_sizes[:count]) + count
+            padded = has_grad + [False] * (flag_numel - count)
+            flags = torch.tensor(padded, dtype=reduce_dtype, device=self.device)
+        rows.append(flags.expand(ws, -1))
+        numel = sum(self._reduce_sizes[:count]) + flag_numel
         comm = self._require_comm()
         compute = comm.streams.compute()
         # Bound memory before allocating: finish older reductions (freeing their inputs)
@@ -675,7 +750,8 @@ class ParamGroup:
         # The flags: how many ranks (and replicas) had each gradient. Zero means no rank
         # used the parameter: its gradient stays None, as in non-sharded training.
         count = len(in_flight.has_grad)
-        flags, output = output[output.numel() - count :], output[: output.numel() - count]
+        grads_numel = sum(self._reduce_sizes[:count])
+        flags, output = output[grads_numel : grads_numel + count], output[:grads_numel]
         # A local gradient proves some rank had one; only a rank missing some gradient
         # reads the flags (a host sync on accelerators, so not on the common path).
         got_grad = in_flight.has_grad if all(in_flight.has_grad) else (flags != 0).tolist()
@@ -804,6 +880,9 @@ class ParamGroup:
 
 # See [Note: aligned unsharded parameters].
 UNSHARDED_ALIGN_BYTES = 256
+
+# See [Note: padded gradient flags].
+REDUCE_FLAG_ALIGN_BYTES = 64
 
 # One aten kernel that chunks, pads and concatenates (what the reduce-scatter copy-in needs);
 # torch's own FSDP uses it. Private in name, so looked up with a fallback.

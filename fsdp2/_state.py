@@ -345,6 +345,11 @@ class FSDPState:
                 state._forward_positions.clear()
             if state is not self:  # groups left incomplete by calls outside a forward
                 state._modules_to_run.clear()
+        # Groups left unsharded by a forward without backward (or by unshard()) whose shards
+        # the optimizer updated since: gather again ([Note: stale unsharded parameters]).
+        for state in tree.states:
+            if state.group is not None:
+                state.group.reshard_if_stale()
         comm = tree.comm
         comm.host_buffers.max_buffers = 2  # see [Note: host buffer pool]
         if self.post_optim_event is not None:

@@ -181,12 +181,21 @@ class Call:
     in_bytes: int
     out_bytes: int
     op: str = ""
-    flags: int = 0  # fsdp2's per-parameter "had a gradient" flags at the end of an RS chunk
+    flags: int = 0  # fsdp2's padded "had a gradient" flags at the end of an RS chunk
 
 
-# fsdp2 appends one flag per parameter to each rank's reduce-scatter chunk; groups in these
-# tests have far fewer parameters than this, and sizes far further apart.
+# fsdp2 appends one flag per parameter to each rank's reduce-scatter chunk, zero-padded to a
+# multiple of 64 bytes ([Note: padded gradient flags]); groups in these tests have far fewer
+# parameters than this, and sizes far further apart.
 MAX_FLAGS = 64
+FLAG_ALIGN_BYTES = 64
+
+
+def flag_numel(count: int, dtype: torch.dtype) -> int:
+    """The elements fsdp2's flags add to each rank's reduce-scatter chunk for ``count``
+    parameters reduced in ``dtype``: ``count`` rounded up to a multiple of 64 bytes."""
+    per_region = FLAG_ALIGN_BYTES // dtype.itemsize
+    return -(-count // per_region) * per_region
 
 
 @dataclass
@@ -226,7 +235,16 @@ class CollectiveLog:
             key = inp.numel() if kind == "AG" else out.numel()
             flags = 0
             if kind == "RS" and key not in self.numel_to_group:
-                base = max((n for n in self.numel_to_group if 0 < key - n <= MAX_FLAGS), default=0)
+                # A flags region is a whole number of 64-byte blocks.
+                itemsize = out.element_size()
+                base = max(
+                    (
+                        n
+                        for n in self.numel_to_group
+                        if 0 < key - n <= MAX_FLAGS and (key - n) * itemsize % FLAG_ALIGN_BYTES == 0
+                    ),
+                    default=0,
+                )
                 flags = key - base if base else 0
                 key = base or key
             group = self.numel_to_group.get(key, "?")

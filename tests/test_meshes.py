@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _control_helpers import flag_numel
 from _helpers import (
     ParityCase,
     build_model,
@@ -125,6 +126,9 @@ def _train(
         _restore_collectives()
     placements = [tuple(type(p).__name__ for p in param.placements) for param in model.parameters()]
     root_numel = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("layers."))
+    # Groups: each block, and the root with the rest. Each adds its padded flags per chunk.
+    n_root = sum(1 for n, _ in model.named_parameters() if not n.startswith("layers."))
+    group_sizes = [len(list(block.parameters())) for block in model.layers] + [n_root]
     return {
         "worst": worst,
         "counts": per_step_logs,
@@ -133,6 +137,7 @@ def _train(
         "numel": sum(p.numel() for p in model.parameters()),
         "n_params": len(list(model.parameters())),
         "root_numel": root_numel,
+        "flags": sum(flag_numel(n, torch.float32) for n in group_sizes),
     }
 
 
@@ -273,10 +278,12 @@ def test_shard_placement_uneven_dim_is_rejected() -> None:
 )
 def test_communication_volume_matches_docs(mesh_shape: tuple[int, ...], reshard) -> None:
     """The per-step volumes docs/meshes.md gives, in elements of the full-size buffers
-    (P: parameters; P_root: the root group's, never resharded with None; N: number of
-    parameters, each with one "had a gradient" flag per rank chunk)."""
+    (P: parameters; P_root: the root group's, never resharded with None; F: the "had a
+    gradient" flags of every group in one rank chunk, each group's padded to 64 bytes:
+    3 groups of at most 16 fp32 parameters, F = 3 x 16 = 48)."""
     rep = run_ranks(_train, 4, "fsdp2", mesh_shape, reshard, 1, False)[0]
-    P, P_root, vol, N = rep["numel"], rep["root_numel"], rep["volume"], rep["n_params"]
+    P, P_root, vol, F = rep["numel"], rep["root_numel"], rep["volume"], rep["flags"]
+    assert (P, P_root, rep["n_params"], F) == (30880, 4128, 21, 48)  # as docs/meshes.md says
     W = mesh_shape[-1]
     resharded = {None: P - P_root, False: 0, 2: P}[reshard]
     if reshard == 2:
@@ -284,9 +291,9 @@ def test_communication_volume_matches_docs(mesh_shape: tuple[int, ...], reshard)
         assert vol[("all_gather", 2)] == P  # backward, within pairs
     else:
         assert vol[("all_gather", W)] == P + resharded
-    assert vol[("reduce_scatter", W)] == P + W * N
+    assert vol[("reduce_scatter", W)] == P + W * F
     if len(mesh_shape) == 2:
-        assert vol[("all_reduce", 2)] == P // W + N  # each rank all-reduces its shard
+        assert vol[("all_reduce", 2)] == P // W + F  # each rank all-reduces its shard
 
 
 def _tp_plan() -> dict:

@@ -39,6 +39,7 @@ from _control_helpers import (
     api,
     build_net,
     clone_model,
+    flag_numel,
     global_batch,
     group_numels,
     max_param_diff,
@@ -593,8 +594,9 @@ def expected_sizes(other: torch.dtype, ws: int, param_dtype, reduce_dtype) -> di
             "ag_dtype": str(ag_dtype),
             "ag_bytes": sum(n * b for n, b in zip(numels, per_element)),
             "rs_dtype": str(rs_dtype),
-            # fsdp2 appends one "had a gradient" flag per parameter to each rank's chunk
-            "rs_numel": sum(numels) + len(params),
+            # fsdp2 appends one "had a gradient" flag per parameter to each rank's chunk,
+            # padded to 64 bytes
+            "rs_numel": sum(numels) + flag_numel(len(params), rs_dtype),
         }
     return sizes
 

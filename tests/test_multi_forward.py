@@ -16,8 +16,12 @@ backward of the first forward to finish must not wait for the second forward's b
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from _control_helpers import (
     TOL,
     adamw,
@@ -30,8 +34,9 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, is_dtensor, require_impl
+from _helpers import IMPLS, get_fully_shard, is_dtensor, require_impl
 from _launcher import run_ranks
+from torch import nn
 
 
 def _two_forwards_one_backward(impl: str) -> dict:
@@ -72,3 +77,58 @@ def test_two_forwards_one_backward(impl: str) -> None:
         assert max(counts) <= 2, f"[{impl}, rank {rank}] unsharded blocks per backward: {counts}"
         name, diff = report["diff"]
         assert diff <= TOL, f"[{impl}, rank {rank}] {name} differs by {diff:.3g}"
+
+
+def _stale_after_forward_without_backward(impl: str, reshard: bool) -> list[str]:
+    """Each step: a training forward and backward, ``optimizer.step()``; then a forward with
+    grad enabled whose output is dropped (no backward), and a second ``optimizer.step()``
+    (the gradients were kept) while the groups stay unsharded. The next forward must use
+    the updated shards. Compared with the non-sharded model doing the same."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = copy.deepcopy(ref)
+    fully_shard = get_fully_shard(impl)
+    fully_shard(model[0], reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    problems: list[str] = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2 * ws, 4, generator=gen), torch.randn(2 * ws, 3, generator=gen)
+        loss = F.mse_loss(model(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2])
+        ref_loss = F.mse_loss(ref(x), y)
+        averaged = loss.detach().clone()
+        dist.all_reduce(averaged)
+        averaged /= ws
+        if abs(averaged.item() - ref_loss.item()) > 1e-5:
+            problems.append(f"step {step}: loss {averaged.item()} vs {ref_loss.item()}")
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        model(x[2 * rank : 2 * rank + 2])  # with grad, no backward: the groups stay gathered
+        ref(x)
+        opt.step()  # the kept gradients update the shards again
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    with torch.no_grad():
+        out = model(x[2 * rank : 2 * rank + 2])
+        expected = ref(x[2 * rank : 2 * rank + 2])
+    if not torch.allclose(out, expected, atol=1e-5):
+        problems.append(f"final forward differs by {(out - expected).abs().max().item()}")
+    return problems
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_forward_without_backward_then_optimizer_step(reshard: bool) -> None:
+    """A forward with grad enabled and no backward left a ``reshard_after_forward=False``
+    group (and the root, by default) unsharded through ``optimizer.step()``, and the next
+    forward computed with the old weights (torch's ``fully_shard`` still does). The root's
+    pre-forward now reshards groups whose shards changed since their all-gather
+    ([Note: stale unsharded parameters])."""
+    require_impl("fsdp2")
+    problems = run_ranks(_stale_after_forward_without_backward, 2, "fsdp2", reshard)
+    assert not any(problems), problems
