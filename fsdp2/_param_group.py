@@ -346,8 +346,13 @@ class ParamGroup:
     @property
     def reduce_flag_bytes(self) -> int:
         """What the has-gradient flags add to a reduce-scatter input: one element per
-        parameter per rank (see [Note: gradients some ranks lack])."""
-        dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params)
+        parameter per rank (see [Note: gradients some ranks lack]). Only trainable
+        parameters are reduced, so only their dtypes count: a frozen one may have a dtype
+        that promotes with nothing (float8)."""
+        trainable = [p.dtype for p in self.params if p.sharded_param.requires_grad]
+        if not trainable:
+            return 0
+        dtype = self.reduce_dtype or promote_dtypes(trainable)
         return self.world_size * len(self.params) * dtype.itemsize
 
     def set_post_forward_group(self, group: Any, size: int, index: int) -> None:
