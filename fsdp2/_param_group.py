@@ -204,6 +204,7 @@ class ParamGroup:
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
         on_meta = any(p.device.type == "meta" for p in full_params)
+        self.mesh_device = device
         self.device = torch.device("meta") if on_meta else device  # where compute runs
         # CPU offload: shards (the all-gather source) and gradients live in CPU memory.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -393,6 +394,10 @@ class ParamGroup:
         first = local[0]
         if not self.offload or first.device.type != "cpu":
             self.device = first.device
+        elif self.device.type == "meta":
+            # Offloaded shards materialized on the CPU after a meta-device init: compute
+            # runs on the mesh's device, as when the shards were offloaded at fully_shard.
+            self.device = self.mesh_device
         self.shard_device = first.device
         flat = self._new_flat_shard(first.device)
         for p in self.params:
