@@ -3,7 +3,7 @@ and device, and find the parameters this call manages.
 
 Discovery rule (bottom-up grouping): a call manages every parameter registered in its
 module(s)' subtrees, except those inside a submodule that an earlier call already
-sharded, and except ``ignored_params``. A parameter registered in several places (tied
+sharded or that torch's composable ``replicate()`` manages, and except ``ignored_params``. A parameter registered in several places (tied
 weights) is managed once, with every registration recorded so all of them are swapped.
 """
 
@@ -211,6 +211,8 @@ def _unsharded_modules(top: nn.Module, tops: set[int]) -> Iterable[tuple[str, nn
     stack: list[tuple[str, nn.Module]] = [("", top)]
     while stack:
         prefix, module = stack.pop()
+        if _replicated(module):
+            continue  # its parameters are replicate()'s (DDP): leave them plain
         yield prefix, module
         for name, child in reversed(list(module._modules.items())):
             if child is None:
@@ -218,6 +220,18 @@ def _unsharded_modules(top: nn.Module, tops: set[int]) -> Iterable[tuple[str, nn
             if getattr(child, "_fsdp_state", None) is not None and id(child) not in tops:
                 continue  # managed by an earlier call
             stack.append((f"{prefix}{name}.", child))
+
+
+def _replicated(module: nn.Module) -> bool:
+    """Whether torch's composable ``replicate()`` was applied to ``module``. It registers
+    itself in the composable registry; its subtree belongs to it (DDP all-reduces those
+    parameters), so ``fully_shard`` on an ancestor must neither shard them nor move their
+    buffers, or the user's choice to replicate that part would be silently undone."""
+    contract = _composable_contract()
+    if contract is None:
+        return False
+    registry = module.__dict__.get(contract.REGISTRY_KEY)
+    return registry is not None and "replicate" in registry
 
 
 def _validate_ignored(

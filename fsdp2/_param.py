@@ -308,6 +308,11 @@ class ShardedParam:
         """View an unsharded-shaped tensor (e.g. a gradient; TP-local for a TP DTensor)
         with the sharded dim first."""
         if isinstance(tensor, DTensor):
+            if tuple(tensor.placements) != self.tp_placements:
+                # DTensor's backward may lay a gradient out differently from its parameter
+                # (a row-sharded embedding gets a replicated one): its local part would not
+                # be this rank's TP shard. Bring it to the parameter's TP placements.
+                tensor = tensor.redistribute(placements=self.tp_placements)
             tensor = tensor.to_local()
         return tensor.movedim(self.shard_dim, 0) if self.shard_dim else tensor
 

@@ -258,6 +258,7 @@ class ParamGroup:
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
         on_meta = any(p.device.type == "meta" for p in full_params)
+        self.mesh_device = device
         self.device = torch.device("meta") if on_meta else device  # where compute runs
         # CPU offload: shards (the all-gather source) and gradients live in CPU memory.
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
@@ -403,9 +404,14 @@ class ParamGroup:
     @property
     def reduce_flag_bytes(self) -> int:
         """The most the has-gradient flags add to a reduce-scatter input: the padded flags
-        region of every parameter, per rank (see [Note: gradients some ranks lack]). A
-        mixed group's reduce dtype is chosen per step; its widest candidate bounds it."""
-        dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params)
+        region of every parameter, per rank (see [Note: gradients some ranks lack]). Only
+        trainable parameters are reduced, so only their dtypes count (a frozen one may have
+        a dtype that promotes with nothing, float8); a mixed group's reduce dtype is chosen
+        per step, and its widest candidate bounds it."""
+        trainable = [p.dtype for p in self.params if p.sharded_param.requires_grad]
+        if not trainable:
+            return 0
+        dtype = self.reduce_dtype or promote_dtypes(trainable)
         return self.world_size * self.flag_numel(len(self.params), dtype) * dtype.itemsize
 
     def flag_numel(self, count: int, dtype: torch.dtype) -> int:
@@ -454,6 +460,10 @@ class ParamGroup:
         first = local[0]
         if not self.offload or first.device.type != "cpu":
             self.device = first.device
+        elif self.device.type == "meta":
+            # Offloaded shards materialized on the CPU after a meta-device init: compute
+            # runs on the mesh's device, as when the shards were offloaded at fully_shard.
+            self.device = self.mesh_device
         self.shard_device = first.device
         flat = self._new_flat_shard(first.device)
         for p in self.params:

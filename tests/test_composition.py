@@ -69,6 +69,40 @@ def test_replicate_root_over_sharded_blocks(impl: str) -> None:
     assert diff <= TOL, f"{name}: max abs diff {diff}"
 
 
+def _replicated_block_under_sharded_root(impl: str) -> dict:
+    from torch.distributed._composable import replicate
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = build_net()
+    ref = clone_model(model)
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    replicate(model.blocks[0])  # DDP for this block: the root's fully_shard leaves it alone
+    fully_shard(model, mesh=mesh)
+    kinds = {name: is_dtensor(p) for name, p in model.named_parameters()}
+    opt, ref_opt = adamw(model), adamw(ref)
+    for step in range(3):
+        batch = global_batch(step, 4 * ws)
+        mse(model, rank_slice(batch, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+        reference_step(ref, ref_opt, batch)
+    return {"kinds": kinds, "diff": max_param_diff(ref, model)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_replicated_block_under_sharded_root(impl: str) -> None:
+    """The converse of the test above: ``fully_shard`` skips a submodule that
+    ``replicate()`` manages (its parameters stay plain, replicated ``Parameter``s), as
+    torch's does; fsdp2 sharded them too."""
+    require_impl(impl)
+    result = run_ranks(_replicated_block_under_sharded_root, 2, impl)[0]
+    expected = {name: not name.startswith("blocks.0.") for name in result["kinds"]}
+    assert result["kinds"] == expected, result["kinds"]
+    name, diff = result["diff"]
+    assert diff <= TOL, f"{name}: max abs diff {diff}"
+
+
 def _jvp_first_forward(impl: str) -> float:
     """``enc`` runs normally, ``dec`` (a separate root) runs its first forward inside
     ``torch.func.jvp``; outputs and tangents must equal the unsharded modules'."""

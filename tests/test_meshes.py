@@ -421,3 +421,38 @@ def _tp_mesh_built_twice() -> dict:
 def test_tensor_parallel_mesh_built_twice() -> None:
     for rep in run_ranks(_tp_mesh_built_twice, 4):
         assert rep["placements"] == [["_StridedShard", "Shard"]] * 2, rep
+
+
+def _tp_embedding_grads(impl: str) -> float:
+    """A vocabulary-parallel embedding (``RowwiseParallel(input_layouts=Replicate())``)
+    under FSDP on a 2 (dp) x 2 (tp) mesh: the largest gradient difference from the
+    non-sharded model, each dp rank running its own batch."""
+    from torch.distributed._composable import replicate
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
+    ref = replicate(copy.deepcopy(model), process_group=world["dp"].get_group())
+    parallelize_module(model, world["tp"], {"0": RowwiseParallel(input_layouts=Replicate())})
+    get_fully_shard(impl)(model, mesh=world["dp"])
+    torch.manual_seed(1 + world["dp"].get_local_rank())
+    tokens = torch.randint(0, 8, (2, 6))
+    model(tokens).pow(2).sum().backward()
+    ref(tokens).pow(2).sum().backward()
+    return max(
+        (p.grad.full_tensor() - r.grad).abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters())
+    )
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_tensor_parallel_embedding_grads(impl: str) -> None:
+    """DTensor's embedding backward gives the row-sharded weight a *replicated* gradient;
+    its local part is the whole table, not this rank's rows. fsdp2 reduced
+    that tensor as if it were laid out like the parameter (wrong gradients for every
+    parameter of the group); like torch, it now redistributes it to the parameter's TP
+    placements first."""
+    for diff in run_ranks(_tp_embedding_grads, 4, impl):
+        assert diff <= TOL, diff

@@ -858,3 +858,35 @@ def test_unsynced_accumulation_and_recompute_casts(impl: str) -> None:
         assert rep["accumulated"] == [259.0] * 4, rep
         twice = [("in", "torch.bfloat16"), ("out", "torch.float32")] * 2
         assert rep["seen"] == twice, rep
+
+
+class FrozenFloat8(nn.Module):
+    """A trainable fp32 weight beside a frozen float8 one (a quantized lookup table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.ones(4, 4).to(torch.float8_e4m3fn), requires_grad=False)
+        self.weight = nn.Parameter(torch.arange(16.0).reshape(4, 4) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.table.float().sum()
+
+
+def rank_frozen_float8_beside_trainable(impl: str) -> tuple[list[float], float]:
+    model = FrozenFloat8()
+    get_fully_shard(impl)(model)
+    out = model(torch.ones(2, 4))
+    out.sum().backward()
+    # The table is checked through the output: gloo cannot gather a float8 DTensor.
+    return model.weight.grad.full_tensor().flatten().tolist(), out[0, 0].item()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_frozen_float8_param_beside_trainable(impl: str) -> None:
+    """A group may hold a frozen parameter whose dtype has no promotion with the trainable
+    ones (float8 and fp32): only trainable parameters are reduced, so only their dtypes
+    decide the reduce dtype. torch accepts this group; fsdp2 failed at the first forward."""
+    require_impl(impl)
+    for grad, first in run_ranks(rank_frozen_float8_beside_trainable, 2, impl):
+        assert grad == [2.0] * 16
+        assert first == (0 + 1 + 2 + 3) / 16 + 16  # row 0 of the weight, plus the table's sum

@@ -124,3 +124,47 @@ def test_docs_example() -> None:
     require_impl("fsdp2")
     doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "offload.md"
     assert all(run_ranks(exec_doc_example, 2, first_python_block(doc), str(doc)))
+
+
+def rank_meta_init_then_load(impl: str, how: str) -> list[float]:
+    """A meta-device model, sharded with offload, then given CPU shards by
+    ``load_state_dict(assign=True)`` or ``to_empty(device="cpu")``; returns
+    the loss and the gradients' global sums of one step."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+        )
+    fully_shard = api(impl, "fully_shard")
+    for module in (model[0], model[1], model):
+        fully_shard(module, offload_policy=offload_policy(impl, False))
+    values = {name: torch.full(p.shape, 0.5) for name, p in model.named_parameters()}
+    if how == "assign":
+        sd = {
+            name: distribute_tensor(values[name], p.device_mesh, p.placements)
+            for name, p in model.named_parameters()
+        }
+        model.load_state_dict(sd, assign=True)
+    else:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(distribute_tensor(values[name], p.device_mesh, p.placements))
+    loss = model(torch.ones(2, 4)).sum()
+    loss.backward()
+    return [loss.item()] + [full(p.grad).sum().item() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("how", ["assign", "to_empty"])
+def test_meta_init_then_cpu_shards(impl: str, how: str) -> None:
+    """Offloaded shards materialized on the CPU after a meta-device init: compute runs on
+    the mesh's device. fsdp2 kept computing on the meta device (the forward returned a
+    meta loss, the backward failed: "expected device meta but got cpu")."""
+    require_impl(impl)
+    for result in run_ranks(rank_meta_init_then_load, 2, impl, how):
+        # Hidden values 4 * 0.5 = 2, outputs 4 * 0.5 * 2 = 4, loss 2 x 4 outputs of 4;
+        # each weight's gradient elements are 2 rows x 2 = 4, 16 of them.
+        assert result == [32.0, 64.0, 64.0], result
