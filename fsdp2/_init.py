@@ -3,8 +3,9 @@ and device, and find the parameters this call manages.
 
 Discovery rule (bottom-up grouping): a call manages every parameter registered in its
 module(s)' subtrees, except those inside a submodule that an earlier call already
-sharded or that torch's composable ``replicate()`` manages, and except ``ignored_params``. A parameter registered in several places (tied
-weights) is managed once, with every registration recorded so all of them are swapped.
+sharded or that torch's composable ``replicate()`` manages, and except
+``ignored_params``. A parameter registered in several places (tied weights) is managed
+once, with every registration recorded so all of them are swapped.
 """
 
 from __future__ import annotations
