@@ -125,6 +125,10 @@ class FSDPState:
         # their backward, which may still read the parameters, so the group is not parked.
         self._untracked_calls = 0
         self._backward_epoch = 0  # +1 whenever the count above is reset
+        # Reduced when parked, in this backward, with calls left whose backward comes in a
+        # later one (N forwards, then one backward per output, as pipeline schedules do):
+        # the final callback must not reduce it again, it would only reduce zeros.
+        self._reduced_early = False
         self._recompute_registers_backward = False
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
         self._hook_handles: list[Any] = []
@@ -432,7 +436,9 @@ class FSDPState:
             for state in tree.parked:
                 if state is not self:
                     state._reduce_and_reshard()
+                    state._reduced_early = True
             tree.parked.clear()
+        self._reduced_early = False  # gathered again: its gradients are owed once more
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
         if group is not None:
@@ -525,7 +531,11 @@ class FSDPState:
         for state in tree.states:
             group = state.group
             gathered = group is not None and (group.is_unsharded or group.unshard_pending)
-            if state._pending_backward_calls > 0 or (gathered and not state._post_backward_done):
+            if state._reduced_early and not state._post_backward_done:
+                state._pending_backward_calls = 0  # as if reduced here, which it was
+                if group is not None and gathered and group.reshard_after_backward:
+                    group.reshard()
+            elif state._pending_backward_calls > 0 or (gathered and not state._post_backward_done):
                 state._pending_backward_calls = 1
                 state.post_backward()
             elif group is not None and gathered and group.reshard_after_backward:
@@ -533,6 +543,7 @@ class FSDPState:
                 # used): free it; its gradients were reduced already.
                 group.reshard()
             state._post_backward_done = False
+            state._reduced_early = False
             state._open_claims = 0
             state._untracked_calls = 0
             state._backward_epoch += 1
@@ -559,6 +570,7 @@ class FSDPState:
             state._forward_positions.clear()
             state._pending_backward_calls = 0
             state._post_backward_done = False
+            state._reduced_early = False
             state._open_claims = 0
             state._untracked_calls = 0
             state._backward_epoch += 1
