@@ -560,6 +560,34 @@ class FSDPState:
         tree.in_backward = False
         tree.callback_queued = False
 
+    def reduce_unsynced_grads(self) -> None:
+        """Outside any backward: reduce-scatter the gradients that backwards without
+        gradient sync accumulated, and reshard, for every group of this tree; then, if this
+        is the last backward, wait for the reductions as the final callback does.
+
+        Why: ``torch.distributed.pipelining`` runs each microbatch's backward separately,
+        all of them without sync and without resharding, and only afterwards decides that
+        the step's backward is over. No autograd hook of fsdp2 runs then, so the stage
+        calls this instead (see ``fsdp2.pipelining``). Which groups reduce depends only on
+        which ran an unsynced backward, the same on every rank, never on which local
+        gradients exist, so ranks issue the same collectives."""
+        tree = self.tree
+        if tree is None:  # no forward yet: nothing to reduce
+            return
+        for state in tree.states:
+            group = state.group
+            if group is None:
+                continue
+            if group.grads_unsynced and group.requires_gradient_sync:
+                state._reduce_and_reshard()
+            elif group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
+                group.reshard()
+        if self.is_last_backward:
+            tree.comm.finish_reduces(keep=0)
+            streams = tree.comm.streams
+            wait_stream(streams.compute(), streams.reduce_scatter)
+        tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
+
     def reset_iter_state(self) -> None:
         """Drop per-iteration state after an exception left a step half done."""
         tree = self.tree
@@ -577,6 +605,7 @@ class FSDPState:
             state._modules_to_run.clear()
             if state.group is not None:
                 state.group.reshard()
+                state.group.grads_unsynced = False
                 for p in state.group.params:
                     p.accumulated_grad = None
                     if p.unsharded_param is not None:
