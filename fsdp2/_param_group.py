@@ -296,6 +296,9 @@ class ParamGroup:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
         self.requires_all_reduce = True  # HSDP only; a 1-D mesh has no all-reduce
+        # A backward without gradient sync left gradients here that no reduce-scatter has
+        # taken yet: the next reduction (or ``FSDPState.reduce_unsynced_grads``) owes them.
+        self.grads_unsynced = False
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self.all_reduce_hook_stream: Stream = None
 
@@ -654,6 +657,7 @@ class ParamGroup:
         # parameter up to the last trainable one (frozen parameters sit at the end), and
         # a parameter without a local gradient contributes zeros. See
         # [Note: gradients some ranks lack].
+        self.grads_unsynced = False
         trainable = [p.sharded_param.requires_grad for p in self.params]
         if not any(trainable):
             return
@@ -719,6 +723,7 @@ class ParamGroup:
         """Backward without gradient sync: move low-precision unsharded gradients into
         per-parameter sums in the reduce dtype, so accumulating microbatches in bf16 does
         not round away small contributions (256 + 1 + 1 + 1 stays 259, as in torch)."""
+        self.grads_unsynced = True
         dtype = self.reduce_dtype
         if dtype is None:
             return

@@ -125,6 +125,10 @@ class FSDPState:
         # their backward, which may still read the parameters, so the group is not parked.
         self._untracked_calls = 0
         self._backward_epoch = 0  # +1 whenever the count above is reset
+        # Reduced when parked, in this backward, with calls left whose backward comes in a
+        # later one (N forwards, then one backward per output, as pipeline schedules do):
+        # the final callback must not reduce it again, it would only reduce zeros.
+        self._reduced_early = False
         self._recompute_registers_backward = False
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
         self._hook_handles: list[Any] = []
@@ -432,7 +436,9 @@ class FSDPState:
             for state in tree.parked:
                 if state is not self:
                     state._reduce_and_reshard()
+                    state._reduced_early = True
             tree.parked.clear()
+        self._reduced_early = False  # gathered again: its gradients are owed once more
         self.training_state = TrainingState.PRE_BACKWARD
         group = self.group
         if group is not None:
@@ -525,7 +531,11 @@ class FSDPState:
         for state in tree.states:
             group = state.group
             gathered = group is not None and (group.is_unsharded or group.unshard_pending)
-            if state._pending_backward_calls > 0 or (gathered and not state._post_backward_done):
+            if state._reduced_early and not state._post_backward_done:
+                state._pending_backward_calls = 0  # as if reduced here, which it was
+                if group is not None and gathered and group.reshard_after_backward:
+                    group.reshard()
+            elif state._pending_backward_calls > 0 or (gathered and not state._post_backward_done):
                 state._pending_backward_calls = 1
                 state.post_backward()
             elif group is not None and gathered and group.reshard_after_backward:
@@ -533,6 +543,7 @@ class FSDPState:
                 # used): free it; its gradients were reduced already.
                 group.reshard()
             state._post_backward_done = False
+            state._reduced_early = False
             state._open_claims = 0
             state._untracked_calls = 0
             state._backward_epoch += 1
@@ -549,6 +560,34 @@ class FSDPState:
         tree.in_backward = False
         tree.callback_queued = False
 
+    def reduce_unsynced_grads(self) -> None:
+        """Outside any backward: reduce-scatter the gradients that backwards without
+        gradient sync accumulated, and reshard, for every group of this tree; then, if this
+        is the last backward, wait for the reductions as the final callback does.
+
+        Why: ``torch.distributed.pipelining`` runs each microbatch's backward separately,
+        all of them without sync and without resharding, and only afterwards decides that
+        the step's backward is over. No autograd hook of fsdp2 runs then, so the stage
+        calls this instead (see ``fsdp2.pipelining``). Which groups reduce depends only on
+        which ran an unsynced backward, the same on every rank, never on which local
+        gradients exist, so ranks issue the same collectives."""
+        tree = self.tree
+        if tree is None:  # no forward yet: nothing to reduce
+            return
+        for state in tree.states:
+            group = state.group
+            if group is None:
+                continue
+            if group.grads_unsynced and group.requires_gradient_sync:
+                state._reduce_and_reshard()
+            elif group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
+                group.reshard()
+        if self.is_last_backward:
+            tree.comm.finish_reduces(keep=0)
+            streams = tree.comm.streams
+            wait_stream(streams.compute(), streams.reduce_scatter)
+        tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
+
     def reset_iter_state(self) -> None:
         """Drop per-iteration state after an exception left a step half done."""
         tree = self.tree
@@ -559,12 +598,14 @@ class FSDPState:
             state._forward_positions.clear()
             state._pending_backward_calls = 0
             state._post_backward_done = False
+            state._reduced_early = False
             state._open_claims = 0
             state._untracked_calls = 0
             state._backward_epoch += 1
             state._modules_to_run.clear()
             if state.group is not None:
                 state.group.reshard()
+                state.group.grads_unsynced = False
                 for p in state.group.params:
                     p.accumulated_grad = None
                     if p.unsharded_param is not None:
