@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _control_helpers import (
     TOL,
+    CollectiveLog,
     adamw,
     build_net,
     clone_model,
@@ -77,6 +78,43 @@ def test_two_forwards_one_backward(impl: str) -> None:
         assert max(counts) <= 2, f"[{impl}, rank {rank}] unsharded blocks per backward: {counts}"
         name, diff = report["diff"]
         assert diff <= TOL, f"[{impl}, rank {rank}] {name} differs by {diff:.3g}"
+
+
+def _two_forwards_two_backwards(impl: str) -> dict:
+    """Two forwards, then one backward per output (pipeline schedules drive a stage's
+    microbatches this way): per step, the reduce-scatters issued and the parameter
+    difference from the reference."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = build_net()
+    model = shard_net(clone_model(ref), impl)
+    ref_opt, opt = adamw(ref), adamw(model)
+    reduce_scatters: list[int] = []
+    for step in range(2):
+        batch = global_batch(step, 4 * ws)
+        reference_step(ref, ref_opt, batch)
+        x, y = rank_slice(batch, rank, ws)
+        with CollectiveLog() as log:
+            first = 0.5 * mse(model, (x[:2], y[:2]))
+            second = 0.5 * mse(model, (x[2:], y[2:]))
+            first.backward()
+            second.backward()
+        reduce_scatters.append(sum(call.kind == "RS" for call in log.calls))
+        opt.step()
+        opt.zero_grad()
+    return {"reduce_scatters": reduce_scatters, "diff": max_param_diff(ref, model)}
+
+
+def test_two_forwards_two_backwards_reduce_like_torch() -> None:
+    """Each backward reduces each group once, as torch does: the first backward's final
+    callback must not reduce again a group its parking reduced already (that was one
+    reduce-scatter of zeros per block more than torch)."""
+    require_impl("torch")
+    ours = run_ranks(_two_forwards_two_backwards, 2, "fsdp2")
+    theirs = run_ranks(_two_forwards_two_backwards, 2, "torch")
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["reduce_scatters"] == b["reduce_scatters"], (rank, a, b)
+        name, diff = a["diff"]
+        assert diff <= TOL, f"[rank {rank}] {name} differs by {diff:.3g}"
 
 
 def _stale_after_forward_without_backward(impl: str, reshard: bool) -> list[str]:
