@@ -410,13 +410,22 @@ class FSDPState:
         if not inputs:
             return args, kwargs
         self._claims_this_forward += 1
-        outputs = dict(zip(map(id, inputs), _PostBackward.apply(self, *inputs)))
+        # The node without torch.func support is much cheaper to apply: see _EagerPostBackward.
+        if torch._C._are_functorch_transforms_active():
+            aliases = _PostBackward.apply(self, *inputs)
+        else:
+            aliases = _EagerPostBackward.apply(self, *inputs)
+        outputs = dict(zip(map(id, inputs), aliases))
         return _map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
 
     def _attach_pre_backward(self, output: Any) -> Any:
         tensors = [x for x in _tensors(output) if x.requires_grad]
-        if tensors:
-            hook = functools.partial(self._pre_backward, self._claims_this_forward)
+        hook = functools.partial(self._pre_backward, self._claims_this_forward)
+        if len(tensors) == 1:
+            # What register_multi_grad_hook(mode="any") does for one tensor, without its
+            # per-call set-up (~20 us): a tensor's hook runs once per backward anyway.
+            tensors[0].register_hook(hook)
+        elif tensors:
             register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
@@ -627,8 +636,33 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
 # classes such as Hugging Face's ModelOutput) and, inside it, through dataclass instances
 # pytree does not know, which it would take for opaque leaves: their tensors would miss
 # the casts and the backward triggers.
+def _plain_tensors(tree: Any) -> tuple[torch.Tensor, ...] | None:
+    """The leaves of ``tree`` if it is a plain ``torch.Tensor`` or a hook's ``(args, kwargs)``
+    with only plain tensors in ``args`` and no ``kwargs``; else None.
+
+    The common case of every hook call (a block called with activations, returning one),
+    handled without pytree, whose flatten and unflatten cost 10-30 us per call. Only exact
+    ``torch.Tensor`` objects qualify: pytree takes them for leaves, while a subclass could be
+    registered as a pytree node (and a container needs the general walk anyway)."""
+    if type(tree) is torch.Tensor:
+        return (tree,)
+    if type(tree) is tuple and len(tree) == 2:
+        args, kwargs = tree
+        if (
+            type(args) is tuple
+            and type(kwargs) is dict
+            and not kwargs
+            and all(type(x) is torch.Tensor for x in args)
+        ):
+            return args
+    return None
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     """Every tensor in ``tree``, dataclass fields included."""
+    plain = _plain_tensors(tree)
+    if plain is not None:
+        return list(plain)
     out: list[torch.Tensor] = []
     for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor):
@@ -642,6 +676,11 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """``tree`` with every tensor ``x`` replaced by ``fn(x)``; dataclass instances are
     rebuilt with ``dataclasses.replace`` where a field changed."""
+    plain = _plain_tensors(tree)
+    if plain is not None:  # a tensor, or (args, {}): rebuilt as tree_unflatten would
+        if type(tree) is torch.Tensor:
+            return fn(tree)
+        return tuple(fn(x) for x in plain), {}
     leaves, spec = tree_flatten(tree)
     mapped = []
     for leaf in leaves:
@@ -703,39 +742,72 @@ class _PendingBackward:
             self.tree.live_claims = max(0, self.tree.live_claims - 1)
 
 
+def _alias_inputs(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    # Aliases with the inputs' exact strides: ``view_as`` (or returning the inputs, which
+    # autograd turns into ``view_as``) recomputes the stride of a size-1 dim, and kernels
+    # choose their path by strides (matmul folds a batch into one mm or not). A
+    # checkpointed forward is recomputed without this node, so it would take another path
+    # than the original forward and save tensors of other shapes.
+    return tuple(torch.ops.aten.alias(x) for x in inputs)
+
+
+def _claim_node(ctx: Any, state: FSDPState) -> None:
+    """Make the graph node ``ctx`` one forward call's claim on ``state``'s post-backward."""
+    ctx.state = state
+    ctx.claim = _PendingBackward(state)
+    # ``ctx`` is the graph node: it dies with the graph, backward or not.
+    weakref.finalize(ctx, ctx.claim.release_unused).atexit = False
+
+
+def _run_post_backward(ctx: Any, grads: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    ctx.claim.mark_ran()
+    ctx.state.post_backward()
+    return (None, *grads)
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity in forward; its backward is the group's post-backward hook.
 
     Written with ``setup_context``, a ``jvp`` (the identity on tangents) and a generated
     vmap rule, so that a sharded module also runs inside ``torch.func`` transforms such as
-    ``torch.func.jvp``.
+    ``torch.func.jvp``. Used only while such a transform is active; otherwise
+    ``_EagerPostBackward`` builds the same node for less.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Aliases with the inputs' exact strides: ``view_as`` (or returning the inputs,
-        # which autograd turns into ``view_as``) recomputes the stride of a size-1 dim,
-        # and kernels choose their path by strides (matmul folds a batch into one mm or
-        # not). A checkpointed forward is recomputed without this node, so it would take
-        # another path than the original forward and save tensors of other shapes.
-        return tuple(torch.ops.aten.alias(x) for x in inputs)
+        return _alias_inputs(inputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        state = inputs[0]
-        ctx.state = state
-        ctx.claim = _PendingBackward(state)
-        # ``ctx`` is the graph node: it dies with the graph, backward or not.
-        weakref.finalize(ctx, ctx.claim.release_unused).atexit = False
+        _claim_node(ctx, inputs[0])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.claim.mark_ran()
-        ctx.state.post_backward()
-        return (None, *grads)
+        return _run_post_backward(ctx, grads)
 
     @staticmethod
     def jvp(ctx: Any, state_tangent: Any, *tangents: torch.Tensor) -> tuple[Any, ...]:
         return tangents
+
+
+class _EagerPostBackward(torch.autograd.Function):
+    """``_PostBackward`` without ``torch.func`` support, for the common case (no transform
+    active): the same aliases, claim and backward, so the same graph.
+
+    Why two classes: ``Function.apply`` on a Function that defines ``setup_context`` binds
+    its arguments through ``inspect.signature`` on every call, about 30 us, twice what the
+    rest of the node costs; once per forward call of every group that adds up. A Function
+    whose ``forward`` takes ``ctx`` skips that, but cannot run under ``torch.func``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        _claim_node(ctx, state)
+        return _alias_inputs(inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return _run_post_backward(ctx, grads)

@@ -45,12 +45,20 @@ def new_stream(device: torch.device, *, priority: int = 0) -> Stream:
     return None if module is None else module.Stream(priority=priority)
 
 
-@contextlib.contextmanager
-def use_stream(stream: Stream) -> Iterator[None]:
+# Entered for every collective; on the CPU (no streams) a shared no-op context costs 0.2 us
+# where a generator-based one costs 1.3 us.
+_NO_STREAM = contextlib.nullcontext()
+
+
+def use_stream(stream: Stream) -> contextlib.AbstractContextManager[Any]:
     """Make ``stream`` current for the block (no-op for ``None``)."""
     if stream is None:
-        yield
-        return
+        return _NO_STREAM
+    return _stream_context(stream)
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Stream) -> Iterator[None]:
     module = torch.get_device_module(stream.device.type)
     with module.stream(stream):
         yield
@@ -85,10 +93,12 @@ class CommStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        # Looked up once: ``compute()`` runs several times per group per step.
+        self._module = device_module(device)
         self.all_gather: Stream = new_stream(device, priority=-1)
         self.reduce_scatter: Stream = new_stream(device, priority=-1)
         self.all_reduce: Stream = new_stream(device, priority=-1)
 
     def compute(self) -> Stream:
         """The stream compute runs on right now (whatever the user made current)."""
-        return current_stream(self.device)
+        return None if self._module is None else self._module.current_stream()
