@@ -36,17 +36,10 @@ from _helpers import IMPLS, get_fully_shard, is_dtensor, make_mesh, require_impl
 from _launcher import run_ranks
 
 
-def _replicate_root_over_sharded_blocks(impl: str) -> dict:
-    from torch.distributed._composable import replicate
-
+def _train_against_reference(model: torch.nn.Module, ref: torch.nn.Module) -> dict:
+    """Three steps of ``model`` (sharded or replicated parts) and of the unsharded ``ref`` on
+    the global batch: which parameters are DTensors, and the largest parameter difference."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model = build_net()
-    ref = clone_model(model)
-    fully_shard = get_fully_shard(impl)
-    mesh = make_mesh()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    replicate(model)  # DDP for the root's own parameters (inp, head) only
     kinds = {name: is_dtensor(p) for name, p in model.named_parameters()}
     opt, ref_opt = adamw(model), adamw(ref)
     for step in range(3):
@@ -56,6 +49,19 @@ def _replicate_root_over_sharded_blocks(impl: str) -> dict:
         opt.zero_grad()
         reference_step(ref, ref_opt, batch)
     return {"kinds": kinds, "diff": max_param_diff(ref, model)}
+
+
+def _replicate_root_over_sharded_blocks(impl: str) -> dict:
+    from torch.distributed._composable import replicate
+
+    model = build_net()
+    ref = clone_model(model)
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    replicate(model)  # DDP for the root's own parameters (inp, head) only
+    return _train_against_reference(model, ref)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -72,22 +78,13 @@ def test_replicate_root_over_sharded_blocks(impl: str) -> None:
 def _replicated_block_under_sharded_root(impl: str) -> dict:
     from torch.distributed._composable import replicate
 
-    rank, ws = dist.get_rank(), dist.get_world_size()
     model = build_net()
     ref = clone_model(model)
     fully_shard = get_fully_shard(impl)
     mesh = make_mesh()
     replicate(model.blocks[0])  # DDP for this block: the root's fully_shard leaves it alone
     fully_shard(model, mesh=mesh)
-    kinds = {name: is_dtensor(p) for name, p in model.named_parameters()}
-    opt, ref_opt = adamw(model), adamw(ref)
-    for step in range(3):
-        batch = global_batch(step, 4 * ws)
-        mse(model, rank_slice(batch, rank, ws)).backward()
-        opt.step()
-        opt.zero_grad()
-        reference_step(ref, ref_opt, batch)
-    return {"kinds": kinds, "diff": max_param_diff(ref, model)}
+    return _train_against_reference(model, ref)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
