@@ -20,7 +20,12 @@ minimize a failure):
   ``set_to_none`` for ``zero_grad``, ``optim`` (SGD with momentum or AdamW), ``clip``
   (``clip_grad_norm_``), ``eval_at`` (an ``eval()`` + ``no_grad`` forward after those
   steps), ``sd_roundtrip`` (``state_dict()`` after step 0, loaded back after step 1),
-  ``ops`` (``unshard()`` / ``reshard()`` calls between steps), ``input_requires_grad``.
+  ``ops`` (``unshard()`` / ``reshard()`` calls between steps), ``input_requires_grad``,
+  ``discard_fwd`` (``{step: "pre" | "post"}``: a forward with grad enabled whose loss is
+  discarded, before the step's forward or after its backward, just before
+  ``optimizer.step()``), ``two_fwd`` (without ``accum``: two microbatches forwarded, then
+  one backward per loss, ``"in_order"`` or ``"reversed"``); these two from seed
+  ``EXTENDED_FROM`` (3000) on.
 
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
@@ -71,6 +76,9 @@ def impl_tol(case: dict) -> float:
     the two reduce a module's gradients at different times by design."""
     return TWICE_ACCUM_TOL if is_twice_accum(case) else IMPL_TOL
 
+
+# Seeds from here on also draw ``discard_fwd`` and ``two_fwd`` (added later).
+EXTENDED_FROM = 3000
 
 # Against the non-sharded reference (relative to the magnitude of the values).
 REF_TOL = {"fp32": 1e-5, "bf16": 5e-2}
@@ -350,6 +358,16 @@ def gen_case(seed: int, **overrides: Any) -> dict:
     extra = random.Random(seed * 7919 + 17)
     spec["body"] = _add_side_calls(spec["body"], extra)
     case["input_requires_grad"] = loss == "mse" and extra.random() < 0.2
+    # Drawn from seed ``EXTENDED_FROM`` on only: earlier seeds keep the cases tests pin.
+    extra2 = random.Random(seed * 104729 + 31)
+    extended = seed >= EXTENDED_FROM
+    case["discard_fwd"] = {
+        s: extra2.choice(["pre", "post"])
+        for s in range(case["steps"])
+        if extended and extra2.random() < 0.1
+    }
+    two_fwd = extended and extra2.random() < 0.15 and not case["accum"]
+    case["two_fwd"] = extra2.choice(["in_order", "reversed"]) if two_fwd else None
     case.update(overrides)
     model = Root(case["spec"])
     if "plan" not in overrides:
@@ -446,6 +464,7 @@ def _gen_ops(case: dict) -> dict[int, list[tuple[str, str, str]]]:
 def describe(case: dict) -> str:
     keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
+    keys += ["discard_fwd", "two_fwd"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys)]
     lines += [f"{k}={case[k]!r}" for k in ("spec", "plan", "frozen", "ops")]
     return "\n".join(lines)
@@ -470,6 +489,8 @@ def features(case: dict) -> set[str]:
     out |= {f"raf_{r}" for _, r in case["plan"]}
     out |= {"nested_groups"} if len(case["plan"]) > 1 else set()
     out |= {f"op_{op}_{when}" for ops in case["ops"].values() for op, _, when in ops}
+    out |= {f"discard_fwd_{when}" for when in case["discard_fwd"].values()}
+    out |= {f"two_fwd_{case['two_fwd']}"} if case["two_fwd"] else set()
     return out
 
 
@@ -500,7 +521,7 @@ def make_model(case: dict) -> Root:
 
 def make_batch(case: dict, step: int, mb: int, kind: str = "train") -> tuple:
     """The global batch of a step (and microbatch); rank r takes rows r*lb:(r+1)*lb."""
-    salt = 500 if kind == "eval" else 0
+    salt = {"train": 0, "eval": 500, "discard": 700}[kind]
     gen = torch.Generator().manual_seed(case["seed"] * 1000 + step * 10 + mb + salt)
     rows, length = case["local_batch"] * case["ws"], case["seq_len"]
     if case["loss"] == "ce":
@@ -578,6 +599,12 @@ def _apply_ops(model: nn.Module, ops: list[tuple[str, str, str]], when: str) -> 
             module.reshard()
 
 
+def _discarded_forward(case: dict, model: nn.Module, step: int, rows: slice) -> None:
+    """A forward with grad enabled whose loss is never backpropagated (logging, say)."""
+    x, y = (t[rows] for t in make_batch(case, step, 0, "discard"))
+    _loss(case, model(x), y).detach()
+
+
 def train(case: dict, model: nn.Module, rank: int | None) -> dict:
     """Train for ``case['steps']`` steps. ``rank``: sharded, on that rank's rows of each
     batch; None: the non-sharded reference on whole batches."""
@@ -587,7 +614,7 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
     # forward still has its unsharded parameters registered on the modules.
     named = list(model.named_parameters())
     opt = _optimizer(case, model)
-    lb, microbatches = case["local_batch"], 2 if case["accum"] else 1
+    lb, microbatches = case["local_batch"], 2 if case["accum"] or case["two_fwd"] else 1
     rows = slice(rank * lb, (rank + 1) * lb) if sharded else slice(None)
     steps: list[dict[str, Any]] = []
     saved = None
@@ -596,6 +623,9 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
         entry: dict[str, Any] = {"loss": []}
         if sharded and step in case["ops"]:
             _apply_ops(model, case["ops"][step], "pre")
+        if case["discard_fwd"].get(step) == "pre":
+            _discarded_forward(case, model, step, rows)
+        losses = []
         for mb in range(microbatches):
             x, y = (t[rows] for t in make_batch(case, step, mb))
             if case["input_requires_grad"]:
@@ -603,9 +633,17 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
             if sharded and case["accum"]:
                 model.set_requires_gradient_sync(mb == microbatches - 1)
             loss = _loss(case, model(x), y)
-            if loss.requires_grad:  # everything before the loss may be frozen or skipped
+            if not case["two_fwd"] and loss.requires_grad:  # all may be frozen or skipped
                 loss.backward()
+            losses.append(loss)
             entry["loss"].append(loss.detach().clone())
+        if case["two_fwd"]:  # every forward first, then one backward per loss
+            for loss in losses if case["two_fwd"] == "in_order" else losses[::-1]:
+                if loss.requires_grad:
+                    loss.backward()
+        del losses, loss
+        if case["discard_fwd"].get(step) == "post":
+            _discarded_forward(case, model, step, rows)
         if sharded:
             entry["grads"] = _gather_grads(named)
         else:
