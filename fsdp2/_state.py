@@ -544,7 +544,17 @@ class FSDPState:
                 state._pending_backward_calls = 0  # as if reduced here, which it was
                 if group is not None and gathered and group.reshard_after_backward:
                     group.reshard()
-            elif state._pending_backward_calls > 0 or (gathered and not state._post_backward_done):
+            elif (
+                state._pending_backward_calls > 0
+                or (gathered and not state._post_backward_done)
+                or (group is not None and group.has_unsharded_grads())
+            ):
+                # The last case: gradients accumulated after the group's post-backward,
+                # by a call whose backward came later and has no post-backward node (its
+                # inputs need no gradient: the inner ``m`` of ``m(m(x))``, or the embedding
+                # of ``fully_shard([embed, head])``), in the second backward over two
+                # forwards. A parameter used twice gets its gradient only once autograd has
+                # summed both uses, after the earlier post-backward ran. They are owed.
                 state._pending_backward_calls = 1
                 state.post_backward()
             elif group is not None and gathered and group.reshard_after_backward:

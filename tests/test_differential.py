@@ -210,7 +210,27 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # under activation checkpointing) before the post-backward trigger kept its inputs'
 # strides, 722 (tied embedding and head as one group, gradient accumulation) while such a
 # group was resharded before its embedding's backward. They take about 7 s on 2 cores.
-SEEDS = [2, 29, 109, 118, 147, 151, 154, 207, 316, 323, 344, 350, 367, 387, 390, 486, 722]
+SEEDS = [
+    2,
+    29,
+    109,
+    118,
+    147,
+    151,
+    154,
+    207,
+    316,
+    323,
+    344,
+    350,
+    367,
+    387,
+    390,
+    486,
+    722,
+    3306,
+    3328,
+]
 
 FEATURES = {
     # model
@@ -267,11 +287,12 @@ def test_seed_where_torch_is_off_the_reference(seed: int) -> None:
     assert not problems, "\n".join([describe(case), *problems[:15]])
 
 
-# Known fsdp2 bug (also at d40e99f; torch matches the reference): a group whose module is
-# called twice per forward, chained, with two forwards before their backwards (one per
-# loss), ends up with wrong gradients. Found by fuzzer seeds >= 3000 (``two_fwd``: 3306,
-# 3328, 3381, 3448, 3543, 3562, 3579); this is 3328 minimized.
-@pytest.mark.xfail(strict=True, reason="fsdp2: chained twice-called group, two forwards")
+# A group whose module is called twice per forward, chained, with two forwards before their
+# backwards (one per loss): in the second backward the outer call's post-backward ran before
+# the inner call's gradient was accumulated (both uses of the parameter are summed before
+# its AccumulateGrad), and the final callback skipped the group as already reduced, losing
+# that gradient (fsdp2 only, also at d40e99f). Fuzzer seeds >= 3000 with ``two_fwd``:
+# 3306, 3328, 3381, 3448, 3543, 3562, 3579; this is 3328 minimized.
 def test_two_forwards_then_backwards_with_a_module_called_twice() -> None:
     require_impl("fsdp2")
     spec = {"embed": None, "head": (3, 3, False), "tied": False}
