@@ -125,6 +125,9 @@ class FSDPState:
         # their backward, which may still read the parameters, so the group is not parked.
         self._untracked_calls = 0
         self._backward_epoch = 0  # +1 whenever the count above is reset
+        # Ever had such a call: only then can gradients land after the post-backward (see
+        # ``_finish_backward``), so only then does the final callback look for them.
+        self._had_untracked_call = False
         # Reduced when parked, in this backward, with calls left whose backward comes in a
         # later one (N forwards, then one backward per output, as pipeline schedules do):
         # the final callback must not reduce it again, it would only reduce zeros.
@@ -399,6 +402,7 @@ class FSDPState:
         args, kwargs = self._attach_post_backward(args, kwargs)
         if self._claims_this_forward == attached:
             self._untracked_calls += 1
+            self._had_untracked_call = True
         return args, kwargs
 
     def _attach_post_backward(
@@ -547,7 +551,7 @@ class FSDPState:
             elif (
                 state._pending_backward_calls > 0
                 or (gathered and not state._post_backward_done)
-                or (group is not None and group.has_unsharded_grads())
+                or (state._had_untracked_call and group is not None and group.has_unsharded_grads())
             ):
                 # The last case: gradients accumulated after the group's post-backward,
                 # by a call whose backward came later and has no post-backward node (its
