@@ -91,12 +91,16 @@ def main() -> None:
     if args.worker:
         _worker(args.worker, args.steps, args.dim, args.layers)
         return
+    impls = args.impls.split(",")
+    unknown = [impl for impl in impls if impl not in IMPLS]
+    if unknown:
+        parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print(
         f"gloo, {args.world_size} ranks, MALLOC_MMAP_THRESHOLD_={env.get('MALLOC_MMAP_THRESHOLD_')}"
     )
     for _ in range(args.repeats):
-        for impl in args.impls.split(","):
+        for impl in impls:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             cmd += [f"--nproc-per-node={args.world_size}", __file__, "--worker", impl]
             cmd += [
