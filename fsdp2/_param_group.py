@@ -253,7 +253,7 @@ class ParamGroup:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
-        self._partial_reduce: torch.Tensor | None = None
+        self._partial_reduce: tuple[torch.Tensor, int] | None = None
         self.mp_policy = mp_policy
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
@@ -778,19 +778,22 @@ class ParamGroup:
         wait(in_flight.pending, comm.streams.compute())
         output = in_flight.output
         predivide = self.predivide_factor(output.dtype)
+        count = len(in_flight.has_grad)
         if self.replicate_group is not None:
-            reduced = self._all_reduce_replicas(output, self.replicate_group)
+            reduced = self._all_reduce_replicas(output, count, self.replicate_group)
             if reduced is None:
                 return  # accumulated locally until the next step that all-reduces
-            output = reduced
+            output, count = reduced
         # The flags: how many ranks (and replicas) had each gradient. Zero means no rank
         # used the parameter: its gradient stays None, as in non-sharded training.
-        count = len(in_flight.has_grad)
         grads_numel = sum(self._reduce_sizes[:count])
         flags, output = output[grads_numel : grads_numel + count], output[:grads_numel]
         # A local gradient proves some rank had one; only a rank missing some gradient
-        # reads the flags (a host sync on accelerators, so not on the common path).
-        got_grad = in_flight.has_grad if all(in_flight.has_grad) else (flags != 0).tolist()
+        # (or holding sums of earlier microbatches) reads the flags (a host sync on
+        # accelerators, so not on the common path).
+        has_grad = in_flight.has_grad
+        local_proof = len(has_grad) == count and all(has_grad)
+        got_grad = has_grad if local_proof else (flags != 0).tolist()
         factor = self.divide_factor() / predivide
         # The all-reduce hook sees what torch's hook sees: the average when the division
         # counts as part of the collective (AVG for fp32/bf16), the undivided sum when
@@ -852,27 +855,51 @@ class ParamGroup:
         return shards
 
     def _all_reduce_replicas(
-        self, output: torch.Tensor, replicate_group: ProcessGroup
-    ) -> torch.Tensor | None:
-        """HSDP: sum the reduce-scattered shard over replicas (``replicate_group``), or
-        keep it for later when ``requires_all_reduce`` is off; ``None`` means nothing to
-        assign yet."""
-        partial = self._partial_reduce
-        if partial is not None and partial.numel() >= output.numel():
-            partial[: output.numel()].add_(output)
-            output, self._partial_reduce = partial, None
-        elif partial is not None:
-            output[: partial.numel()].add_(partial)
-            self._partial_reduce = None
+        self, output: torch.Tensor, count: int, replicate_group: ProcessGroup
+    ) -> tuple[torch.Tensor, int] | None:
+        """HSDP: sum the reduce-scattered shard (``count`` parameters' gradients, then
+        their flags) over replicas, or keep it for later when ``requires_all_reduce`` is
+        off. Returns the summed output and how many parameters it covers; ``None`` means
+        nothing to assign yet."""
+        kept = self._partial_reduce
+        self._partial_reduce = None
+        if kept is not None:
+            partial, partial_count = kept
+            if partial_count != count or partial.dtype != output.dtype:
+                # [Note: partial sums across changing layouts]: freezing or unfreezing a
+                # group's last trainable parameter between microbatches changes where the
+                # flags sit; both sums move to the whole group's layout before adding.
+                dtype = torch.promote_types(partial.dtype, output.dtype)
+                partial = self._whole_group_layout(partial, partial_count, dtype)
+                output = self._whole_group_layout(output, count, dtype)
+                count = len(self.params)
+            output.add_(partial)
         if not self.requires_all_reduce:
-            self._partial_reduce = output
+            self._partial_reduce = (output, count)
             return None
         comm = self._require_comm()
         stream = comm.streams.all_reduce
         wait_stream(stream, comm.streams.compute())
         pending = all_reduce_flat(output, replicate_group, stream)
         wait(pending, comm.streams.compute())
-        return output
+        return output, count
+
+    def _whole_group_layout(
+        self, output: torch.Tensor, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``output`` (the first ``count`` parameters' gradient shards, then their flags)
+        laid out for every parameter of the group, zeros where it had none, in ``dtype``."""
+        n = len(self.params)
+        if count == n and output.dtype == dtype:
+            return output
+        grads_numel = sum(self._reduce_sizes[:count])
+        whole_numel = sum(self._reduce_sizes)
+        whole = torch.zeros(
+            whole_numel + self.flag_numel(n, dtype), dtype=dtype, device=output.device
+        )
+        whole[:grads_numel].copy_(output[:grads_numel])
+        whole[whole_numel : whole_numel + count].copy_(output[grads_numel : grads_numel + count])
+        return whole
 
     def predivide_factor(self, reduce_dtype: torch.dtype | None = None) -> float:
         """Low-precision sums can overflow and per-rank quotients underflow: divide by a

@@ -175,6 +175,50 @@ def test_hsdp_accumulation_skips_all_reduce(impl: str) -> None:
     assert counts[("all_reduce", 2)] == N_GROUPS
 
 
+def _hsdp_freeze_between_microbatches(frozen_per_microbatch: tuple[bool, bool]) -> dict:
+    """Two microbatches on a (2, 2) mesh, the first without the replica all-reduce; the
+    group's last parameter is frozen in one of them, so the two reduce-scatter outputs
+    cover different numbers of parameters. Returns each gradient's difference from the
+    non-sharded run, or a string where one side has a gradient and the other none."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    get_fully_shard("fsdp2")(model, mesh=mesh)
+    torch.manual_seed(1)
+    for i, frozen in enumerate(frozen_per_microbatch):
+        batch = torch.randn(16, 8)
+        for net in (model, ref):
+            net[1].bias.requires_grad_(not frozen)
+        model.set_requires_all_reduce(i == len(frozen_per_microbatch) - 1)
+        model(batch[4 * rank : 4 * rank + 4]).pow(2).sum().div(4).backward()
+        ref(batch).pow(2).sum().div(16).backward()
+    diffs: dict[str, float | str] = {}
+    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters()):
+        if (param.grad is None) != (ref_param.grad is None):
+            diffs[name] = (
+                f"gradient is None: {param.grad is None} vs reference {ref_param.grad is None}"
+            )
+        elif param.grad is not None:
+            diffs[name] = (param.grad.full_tensor() - ref_param.grad).abs().max().item()
+    return diffs
+
+
+@pytest.mark.parametrize("frozen", [(True, False), (False, True)])
+def test_hsdp_partial_sums_survive_freezing_between_microbatches(
+    frozen: tuple[bool, bool],
+) -> None:
+    """Freezing the group's last parameter changes the reduce-scatter layout (the flags
+    follow the last trainable gradient). The kept partial sum was added to the next output
+    prefix-wise, mixing flags into gradients (wrong by 1.0) or dropping a gradient; torch
+    raises a size mismatch here. Both sums now move to the whole group's layout."""
+    for diffs in run_ranks(_hsdp_freeze_between_microbatches, 4, frozen):
+        assert len(diffs) == 4, diffs
+        for name, diff in diffs.items():
+            assert isinstance(diff, float) and diff <= TOL, (name, diff)
+
+
 @pytest.mark.parametrize("impl", ["fsdp2", "torch"])
 def test_int_reshard_after_forward(impl: str) -> None:
     require_impl(impl)
