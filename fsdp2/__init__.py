@@ -3,8 +3,9 @@
 Drop-in for ``torch.distributed.fsdp``'s ``fully_shard`` API: switch by changing the import.
 Reading order for the implementation: ``_fully_shard`` (API) -> ``_init`` (validation,
 discovery) -> ``_state`` (hooks, lazy init, final callback) -> ``_param_group`` (per-group
-unshard/reshard/reduce) -> ``_param`` (one parameter's views) -> ``_collectives`` ->
-``_stream_utils``. ``docs/design.md`` indexes the named notes.
+unshard/reshard) -> ``_grad_reduce`` (per-group gradient reduction) -> ``_comm_context``
+(streams and reductions shared by a tree) -> ``_param`` (one parameter's views) ->
+``_collectives`` -> ``_stream_utils``. ``docs/design.md`` indexes the named notes.
 """
 
 from fsdp2._checkpoint import (

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp2._comm_context import CommContext
 from fsdp2._init import (
     check_param_device,
     check_reshard_after_forward_type,
@@ -511,8 +512,6 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
                 f"share_comm_ctx: {state.label} already ran its first forward; call "
                 f"share_comm_ctx before any forward."
             )
-    from fsdp2._param_group import CommContext
-
     comm = CommContext(states[0].device)
     for state in states:
         state.shared_comm = comm

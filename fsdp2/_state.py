@@ -32,7 +32,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp2._param_group import CommContext, ParamGroup
+from fsdp2._comm_context import CommContext
+from fsdp2._param_group import ParamGroup
 from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2._stream_utils import wait_event, wait_stream
 

@@ -145,6 +145,50 @@ def test_package_never_imports_torch_fsdp() -> None:
     assert offenders == []
 
 
+# The package's modules from the public API down to stream utilities (docs/design.md);
+# a module may import only modules after it.
+MODULE_CHAIN = [
+    "__init__",
+    "pipelining",
+    "_checkpoint",
+    "_fully_shard",
+    "_init",
+    "_state",
+    "_param_group",
+    "_grad_reduce",
+    "_comm_context",
+    "_host_buffers",
+    "_param",
+    "_collectives",
+    "_stream_utils",
+    "_policies",
+]
+
+
+def test_imports_point_down_the_chain() -> None:
+    """Every fsdp2 module is placed in ``MODULE_CHAIN`` and imports only modules below it
+    (including imports inside functions and under ``TYPE_CHECKING``)."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(fsdp2.__file__).parent
+    assert sorted(p.stem for p in package.glob("*.py")) == sorted(MODULE_CHAIN)
+    upward = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module == "fsdp2":
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp2."):
+                targets = [(node.module or "").split(".")[1]]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".")[1] for a in node.names if a.name.startswith("fsdp2.")]
+            for target in targets:
+                if MODULE_CHAIN.index(target) <= MODULE_CHAIN.index(path.stem):
+                    upward.append(f"{path.name}:{node.lineno} imports {target}")
+    assert upward == []
+
+
 def test_private_unshard_async_op_switch_is_accepted() -> None:
     """torch's ``_set_unshard_async_op`` is called by recipes written for torch."""
     assert callable(fsdp2.FSDPModule._set_unshard_async_op)

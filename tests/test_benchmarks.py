@@ -231,11 +231,11 @@ def _reduce_scatter_inputs_alive_at_finish() -> list[bool]:
     import torch
 
     import fsdp2
-    import fsdp2._param_group as param_group
+    import fsdp2._grad_reduce as grad_reduce
 
     issued: list[weakref.ref] = []
     alive: list[bool] = []
-    issue, finish = param_group.reduce_scatter_flat, param_group.ParamGroup.finish_reduce
+    issue, finish = grad_reduce.reduce_scatter_flat, grad_reduce.GradientReduction.finish_reduce
 
     def recording_issue(output, input, *args, **kwargs):  # type: ignore[no-untyped-def]
         issued.append(weakref.ref(input.untyped_storage()))
@@ -245,8 +245,8 @@ def _reduce_scatter_inputs_alive_at_finish() -> list[bool]:
         alive.append(issued.pop(0)() is not None)
         return finish(self, in_flight)
 
-    param_group.reduce_scatter_flat = recording_issue
-    param_group.ParamGroup.finish_reduce = recording_finish  # type: ignore[method-assign]
+    grad_reduce.reduce_scatter_flat = recording_issue
+    grad_reduce.GradientReduction.finish_reduce = recording_finish  # type: ignore[method-assign]
     try:
         dim = 64
         blocks = [
@@ -261,8 +261,8 @@ def _reduce_scatter_inputs_alive_at_finish() -> list[bool]:
         fsdp2.fully_shard(model)
         model(torch.randn(2, dim)).sum().backward()
     finally:
-        param_group.reduce_scatter_flat = issue
-        param_group.ParamGroup.finish_reduce = finish  # type: ignore[method-assign]
+        grad_reduce.reduce_scatter_flat = issue
+        grad_reduce.GradientReduction.finish_reduce = finish  # type: ignore[method-assign]
     return alive
 
 

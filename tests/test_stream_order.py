@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2 import _param_group, _state
+from fsdp2 import _comm_context, _grad_reduce, _param_group, _state
 
 
 class _Stream:
@@ -56,8 +56,9 @@ class _Streams:
 
 @contextlib.contextmanager
 def _recording(log: list[tuple]) -> Any:
-    """Patch the stream helpers and collectives ``_param_group``/``_state`` call so they
-    log what they are asked and run the real collectives stream-free."""
+    """Patch the stream helpers and collectives ``_param_group``, ``_grad_reduce``,
+    ``_comm_context`` and ``_state`` call so they log what they are asked and run the real
+    collectives stream-free."""
     events = [0]
 
     def record_event(stream: Any) -> Any:
@@ -76,7 +77,7 @@ def _recording(log: list[tuple]) -> Any:
         if waiter is not None and producer is not None and waiter is not producer:
             log.append(("wait_stream", waiter.name, producer.name))
 
-    real_ag, real_rs = _param_group.all_gather_flat, _param_group.reduce_scatter_flat
+    real_ag, real_rs = _param_group.all_gather_flat, _grad_reduce.reduce_scatter_flat
 
     def all_gather_flat(output, input, group, stream):
         log.append(("all_gather", stream.name, dist.get_world_size(group)))
@@ -103,7 +104,11 @@ def _recording(log: list[tuple]) -> Any:
         (_param_group, "wait_stream"): wait_stream,
         (_param_group, "use_stream"): lambda stream: contextlib.nullcontext(),
         (_param_group, "all_gather_flat"): all_gather_flat,
-        (_param_group, "reduce_scatter_flat"): reduce_scatter_flat,
+        (_grad_reduce, "record_event"): record_event,
+        (_grad_reduce, "wait_stream"): wait_stream,
+        (_grad_reduce, "use_stream"): lambda stream: contextlib.nullcontext(),
+        (_grad_reduce, "reduce_scatter_flat"): reduce_scatter_flat,
+        (_comm_context, "record_event"): record_event,
         (_state, "wait_event"): wait_event,
         (_state, "wait_stream"): wait_stream,
     }

@@ -1,0 +1,430 @@
+"""Gradient reduction of a parameter group: reduce-scatter, HSDP all-reduce, assignment.
+
+``GradientReduction`` is the half of ``ParamGroup`` (``_param_group``) that runs after
+backward: one fused copy-in of the unsharded gradients into the reduce-scatter input, one
+collective, and, when that is waited on (later, so it overlaps the rest of backward), the
+scaling and the gradient shards assigned to the sharded parameters. The group's layout
+(``params``, ``_reduce_sizes``, dtypes) and runtime switches are ``ParamGroup``'s; this
+module only reads them.
+
+[Note: gradients some ranks lack]
+Ranks may use different parameters of one group in a step (mixture-of-experts routing,
+optional branches), so a rank can reach a group's reduce-scatter without some gradients.
+Two things must then not depend on local gradients: the collective's size (else ranks
+disagree and hang), and whether a rank stores its shard of the reduced gradient (else the
+update that other ranks' gradients make to this rank's rows is lost). So the reduced
+prefix is fixed by ``requires_grad`` (every parameter up to the last trainable one), a
+missing gradient contributes zeros, and each rank's chunk of the reduce-scatter input ends
+with one flag per parameter (1 if this rank had its gradient). After the sum, a rank stores
+a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
+non-sharded training. Only a rank that lacked some gradient itself reads them (a host sync
+on accelerators). A group with no gradient on any rank still reduces (zeros): the schedule
+of collectives must not depend on data.
+The flags region of a chunk is padded with zeros to a multiple of
+``REDUCE_FLAG_ALIGN_BYTES`` (64); see [Note: padded gradient flags]. The flags cost that
+region per rank in each reduce-scatter input and once in the reduced gradients; nothing
+is kept between steps, and the buffer pool's slack is sized for them.
+
+[Note: padded gradient flags]
+The flags lengthen each rank's chunk of the reduce-scatter input from torch's ``S``
+elements (the padded shards) to ``S + F``, and how a backend sums a chunk can depend on
+that length. Gloo's ring splits the whole input into ``k`` segments per rank of
+``ceil(chunk / k)`` elements (``k = 2`` while a segment stays under 1 MiB, more beyond),
+so rank ``r``'s first ``r * ((-chunk) % k)`` elements belong to the segment of rank
+``r - 1``, which adds the ranks' terms in another order. With one flag per parameter
+(``F = count``) that changed with the parity of ``count``: at 3 ranks gradients came out
+one ulp off torch's. Padding ``F`` to 64 bytes (16 fp32 or 32 bf16 elements) keeps
+``S + F = S (mod k)`` for every ``k`` dividing that, which covers ``k = 2`` (per-rank
+chunks up to 2 MiB) and ``k = 4, 8, 16``, so every element is summed in torch's order
+there; larger groups can still differ in the last bit at the first few elements of a
+rank's chunk. At 2 ranks the order of a two-term sum does not matter. The cost is at most
+64 bytes per rank per reduce-scatter.
+
+[Note: reduce-scatter input lifetime]
+On an accelerator the reduce-scatter runs on its own stream and only we know when it is
+done, so its input is kept until the event is waited on (see [Note: buffer lifetime across
+streams]). A collective issued with a ``Work`` (the CPU backends) is different: c10d's
+contract is that the work keeps alive every tensor the backend still reads, since a caller
+may drop its own references right after the issue. So we drop ours at once. If the backend
+still reads the input it stays alive through the work's reference, and nothing changes; if
+it does not, the memory is freed while the collective runs. gloo's reduce-scatter is the
+second case: it clones the whole input when issued, reduces the clone, and splits it in
+``wait()`` (``benchmarks/gloo_collective_memory.py``). Holding our input across the overlap
+with the next block's backward kept two copies of one block's gradients alive where torch's
+synchronous CPU path has one (upstream's memory test: 156.5 MB vs 128.2 MB backward peak).
+The input is never reused while a reference from the work may exist: it is freed, not
+returned to the host buffer pool.
+
+[Note: partial sums across changing layouts]
+HSDP with ``set_requires_all_reduce(False)`` keeps each microbatch's reduce-scattered
+output and adds the next one to it before the all-reduce. The output covers the group's
+parameters up to the last trainable one, then their flags, so freezing or unfreezing that
+parameter between microbatches changes where the flags sit. Adding two such outputs
+element by element would add flags into gradients (or drop a gradient); both are first
+laid out for the whole group, zeros where a parameter had none, and the sum covers every
+parameter. torch's ``fully_shard`` raises a size mismatch in the same case.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from fsdp2._collectives import PendingCollective, all_reduce_flat, reduce_scatter_flat, wait
+from fsdp2._comm_context import CommContext, ReduceInFlight
+from fsdp2._param import ShardedParam
+from fsdp2._stream_utils import Stream, record_event, use_stream, wait_stream
+
+
+class GradientReduction:
+    """Reduce-scatter and assignment of a group's gradients (mixed into ``ParamGroup``).
+
+    The attributes below are set by ``ParamGroup.__init__`` and its layout planning."""
+
+    params: list[ShardedParam]
+    label: str
+    device: torch.device
+    shard_device: torch.device
+    shard_dtype: torch.dtype
+    mixed: bool
+    world_size: int
+    process_group: ProcessGroup
+    replicate_group: ProcessGroup | None
+    replicate_size: int
+    reduce_dtype: torch.dtype | None
+    _reduce_sizes: list[int]
+    _partial_reduce: tuple[torch.Tensor, int] | None
+    comm: CommContext | None
+    grads_unsynced: bool
+    gradient_divide_factor: float | None
+    force_sum_reduction: bool
+    requires_all_reduce: bool
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    all_reduce_hook_stream: Stream
+
+    @property
+    def reduce_flag_bytes(self) -> int:
+        """The most the has-gradient flags add to a reduce-scatter input: the padded flags
+        region of every parameter, per rank (see [Note: gradients some ranks lack]). Only
+        trainable parameters are reduced, so only their dtypes count (a frozen one may have
+        a dtype that promotes with nothing, float8); a mixed group's reduce dtype is chosen
+        per step, and its widest candidate bounds it."""
+        trainable = [p.dtype for p in self.params if p.sharded_param.requires_grad]
+        if not trainable:
+            return 0
+        dtype = self.reduce_dtype or promote_dtypes(trainable)
+        return self.world_size * self.flag_numel(len(self.params), dtype) * dtype.itemsize
+
+    def flag_numel(self, count: int, dtype: torch.dtype) -> int:
+        """Elements of the flags region at the end of each rank's reduce-scatter chunk:
+        ``count`` flags, zero-padded to a multiple of ``REDUCE_FLAG_ALIGN_BYTES`` so the
+        chunk keeps torch's length modulo the backend's segmenting (see
+        [Note: padded gradient flags])."""
+        per_region = max(1, REDUCE_FLAG_ALIGN_BYTES // dtype.itemsize)
+        return -(-count // per_region) * per_region
+
+    # -- gradients -------------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(
+            p.unsharded_param is not None and p.unsharded_param.grad is not None
+            for p in self.params
+        )
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter the unsharded gradients (one fused copy-in, one collective) and
+        drop them. The result is assigned to the sharded parameters by ``finish_reduce``,
+        when the collective is waited on: later, so it overlaps the rest of backward."""
+        # Which parameters a rank used can differ between ranks (data-dependent routing),
+        # so nothing here may depend on the local gradients: the reduced prefix is every
+        # parameter up to the last trainable one (frozen parameters sit at the end), and
+        # a parameter without a local gradient contributes zeros. See
+        # [Note: gradients some ranks lack].
+        self.grads_unsynced = False
+        trainable = [p.sharded_param.requires_grad for p in self.params]
+        if not any(trainable):
+            return
+        count = len(trainable) - trainable[::-1].index(True)
+        grads = [self._take_unsharded_grad(p) for p in self.params[:count]]
+        ws = self.world_size
+        reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params[:count])
+        # ``rows``: each gradient with the sharded dim first (zeros where missing), cut
+        # into ``ws`` chunks of its padded shard, one chunk per rank's input slice.
+        rows: list[torch.Tensor] = []
+        for p, grad in zip(self.params[:count], grads):
+            unsharded = p.require_unsharded_param()
+            unsharded.grad = None
+            if grad is None:
+                dtype = unsharded.dtype
+                padded_rows = (ws * p.rows_per_rank, p.row_numel)
+                rows.append(grad_zeros(padded_rows, dtype, self.device))
+            else:
+                rows.append(p.as_rows(grad))
+        # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
+        # the sum each rank knows how many ranks had each gradient, for free. The region
+        # is zero-padded to keep torch's summation order ([Note: padded gradient flags]).
+        # The common case (every gradient present) fills on the device: no host-to-device
+        # copy, and nothing kept between steps (the flags cost memory only inside the
+        # collective's buffers).
+        has_grad = [g is not None for g in grads]
+        flag_numel = self.flag_numel(count, reduce_dtype)
+        if all(has_grad):
+            flags = torch.zeros(flag_numel, dtype=reduce_dtype, device=self.device)
+            flags[:count].fill_(1)
+        else:
+            padded = has_grad + [False] * (flag_numel - count)
+            flags = torch.tensor(padded, dtype=reduce_dtype, device=self.device)
+        rows.append(flags.expand(ws, -1))
+        numel = sum(self._reduce_sizes[:count]) + flag_numel
+        comm = self._require_comm()
+        compute = comm.streams.compute()
+        # Bound memory before allocating: finish older reductions (freeing their inputs)
+        # so that with this one at most ``max_reduces_in_flight`` are in flight.
+        comm.finish_reduces(keep=comm.max_reduces_in_flight - 1)
+        rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
+        self._copy_in_grads(rows, rs_input.view(ws, numel))
+        del rows, grads  # the unsharded gradients die here, not when this returns
+        predivide = self.predivide_factor(reduce_dtype)
+        if predivide != 1.0:
+            rs_input.div_(predivide)
+        stream = comm.streams.reduce_scatter
+        wait_stream(stream, compute)  # the gradients were produced on the compute stream
+        if ws == 1:  # one rank: the input is the reduced shard (torch issues no collective)
+            done = PendingCollective(None, record_event(stream))
+            comm.reduces.append(ReduceInFlight(self, rs_input, rs_input, done, has_grad))
+            return
+        with use_stream(stream):
+            rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
+            pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
+        # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
+        # backends) keeps alive every tensor its backend still reads, so ours can go now.
+        kept_input = rs_input if pending.work is None else None
+        del rs_input
+        comm.reduces.append(ReduceInFlight(self, kept_input, rs_output, pending, has_grad))
+
+    def accumulate_unsynced(self) -> None:
+        """Backward without gradient sync: move low-precision unsharded gradients into
+        per-parameter sums in the reduce dtype, so accumulating microbatches in bf16 does
+        not round away small contributions (256 + 1 + 1 + 1 stays 259, as in torch)."""
+        self.grads_unsynced = True
+        dtype = self.reduce_dtype
+        if dtype is None:
+            return
+        for p in self.params:
+            unsharded = p.unsharded_param
+            if unsharded is None:
+                continue
+            grad = unsharded.grad
+            if grad is None or grad.dtype == dtype:
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            unsharded.grad = None
+
+    def _take_unsharded_grad(self, p: ShardedParam) -> torch.Tensor | None:
+        """The parameter's unsharded gradient, with any unsynced sum added (and cleared)."""
+        grad = p.require_unsharded_param().grad
+        total = p.accumulated_grad
+        if total is None:
+            return grad
+        p.accumulated_grad = None
+        if grad is not None:
+            total.add_(grad)
+        return total
+
+    def _copy_in_grads(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Fill ``out`` (``ws`` rank rows of the reduce-scatter input) from ``rows`` (see
+        ``reduce_grads``) in one kernel: chunk, pad and copy every gradient at once. When
+        every gradient is already in ``out``'s dtype that kernel is ``torch._chunk_cat``,
+        which pads uneven chunks itself; otherwise one ``torch.cat`` also casts, after
+        padding uneven gradients (one extra copy each) to whole chunks."""
+        ws = self.world_size
+        if _chunk_cat is not None and all(t.dtype == out.dtype for t in rows):
+            _chunk_cat(rows, dim=0, num_chunks=ws, out=out)
+            return
+        chunks: list[torch.Tensor] = []
+        for p, t in zip(self.params, rows[:-1]):
+            if t.shape[0] == ws * p.rows_per_rank:
+                chunks.append(t.reshape(ws, -1))  # even: a view
+            else:
+                padding = (ws * p.rows_per_rank - t.shape[0]) * p.row_numel
+                chunks.append(F.pad(t.reshape(-1), (0, padding)).view(ws, -1))
+        chunks.append(rows[-1])
+        torch.cat(chunks, dim=1, out=out)
+
+    def finish_reduce(self, in_flight: ReduceInFlight) -> None:
+        """Wait for a reduce-scatter, scale it, and store the gradient shards as DTensors
+        on the sharded parameters (accumulating into existing gradients)."""
+        comm = self._require_comm()
+        wait(in_flight.pending, comm.streams.compute())
+        output = in_flight.output
+        predivide = self.predivide_factor(output.dtype)
+        count = len(in_flight.has_grad)
+        if self.replicate_group is not None:
+            reduced = self._all_reduce_replicas(output, count, self.replicate_group)
+            if reduced is None:
+                return  # accumulated locally until the next step that all-reduces
+            output, count = reduced
+        # The flags: how many ranks (and replicas) had each gradient. Zero means no rank
+        # used the parameter: its gradient stays None, as in non-sharded training.
+        grads_numel = sum(self._reduce_sizes[:count])
+        flags, output = output[grads_numel : grads_numel + count], output[:grads_numel]
+        # A local gradient proves some rank had one; only a rank missing some gradient
+        # (or holding sums of earlier microbatches) reads the flags (a host sync on
+        # accelerators, so not on the common path).
+        has_grad = in_flight.has_grad
+        local_proof = len(has_grad) == count and all(has_grad)
+        got_grad = has_grad if local_proof else (flags != 0).tolist()
+        factor = self.divide_factor() / predivide
+        # The all-reduce hook sees what torch's hook sees: the average when the division
+        # counts as part of the collective (AVG for fp32/bf16), the undivided sum when
+        # division is a separate step (force-sum, or fp16's split pre/post division).
+        divide_first = not self.force_sum_reduction and predivide == 1.0
+        if factor != 1.0 and divide_first:
+            output.div_(factor)
+        if self.all_reduce_hook is not None:
+            hook_stream = self.all_reduce_hook_stream
+            wait_stream(hook_stream, comm.streams.compute())
+            with use_stream(hook_stream):
+                self.all_reduce_hook(output)
+            wait_stream(comm.streams.compute(), hook_stream)
+        if factor != 1.0 and not divide_first:
+            output.div_(factor)
+        shards = self._gradient_shards(output, count)
+        for p, used, local in zip(self.params, got_grad, shards):
+            if not used:
+                continue
+            param = p.sharded_param
+            existing = param.grad
+            if existing is None:
+                param.grad = p.sharded_grad(local)
+            elif isinstance(existing, DTensor):
+                with torch.no_grad():
+                    existing.to_local().add_(local)
+            else:  # torch lets a plain tensor be assigned as a DTensor parameter's .grad
+                raise RuntimeError(
+                    f"fully_shard: parameter '{p.fqn}' has a {type(existing).__name__} "
+                    f"gradient; a sharded parameter's gradient must be None or a DTensor"
+                )
+            # Hooks registered with register_post_accumulate_grad_hook on the sharded
+            # parameter (e.g. an optimizer stepping inside backward) see the reduced grad.
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                for hook in tuple(hooks.values()):
+                    hook(param)
+
+    def _gradient_shards(self, output: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """The first ``count`` parameters' local gradients from the reduced ``output``,
+        stored like the sharded parameters: their dtype, their device. One cast for a
+        one-dtype group; one per run of equal dtypes in a mixed one."""
+        params = self.params[:count]
+        if not self.mixed:
+            output = output.to(self.shard_device, self.shard_dtype)
+            return [p.reduced_view(output) for p in params]
+        shards: list[torch.Tensor] = []
+        start = 0
+        while start < count:
+            dtype = params[start].dtype
+            stop = start + 1
+            while stop < count and params[stop].dtype == dtype:
+                stop += 1
+            first, last = params[start], params[stop - 1]
+            run = output[first.offset : last.offset + last.padded_numel]
+            run = run.to(self.shard_device, dtype)
+            shards += [p.reduced_view(run, first.offset) for p in params[start:stop]]
+            start = stop
+        return shards
+
+    def _all_reduce_replicas(
+        self, output: torch.Tensor, count: int, replicate_group: ProcessGroup
+    ) -> tuple[torch.Tensor, int] | None:
+        """HSDP: sum the reduce-scattered shard (``count`` parameters' gradients, then
+        their flags) over replicas, or keep it for later when ``requires_all_reduce`` is
+        off. Returns the summed output and how many parameters it covers; ``None`` means
+        nothing to assign yet."""
+        kept = self._partial_reduce
+        self._partial_reduce = None
+        if kept is not None:
+            partial, partial_count = kept
+            if partial_count != count or partial.dtype != output.dtype:
+                # See [Note: partial sums across changing layouts].
+                dtype = torch.promote_types(partial.dtype, output.dtype)
+                partial = self._whole_group_layout(partial, partial_count, dtype)
+                output = self._whole_group_layout(output, count, dtype)
+                count = len(self.params)
+            output.add_(partial)
+        if not self.requires_all_reduce:
+            self._partial_reduce = (output, count)
+            return None
+        comm = self._require_comm()
+        stream = comm.streams.all_reduce
+        wait_stream(stream, comm.streams.compute())
+        pending = all_reduce_flat(output, replicate_group, stream)
+        wait(pending, comm.streams.compute())
+        return output, count
+
+    def _whole_group_layout(
+        self, output: torch.Tensor, count: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``output`` (the first ``count`` parameters' gradient shards, then their flags)
+        laid out for every parameter of the group, zeros where it had none, in ``dtype``."""
+        n = len(self.params)
+        if count == n and output.dtype == dtype:
+            return output
+        grads_numel = sum(self._reduce_sizes[:count])
+        whole_numel = sum(self._reduce_sizes)
+        whole = torch.zeros(
+            whole_numel + self.flag_numel(n, dtype), dtype=dtype, device=output.device
+        )
+        whole[:grads_numel].copy_(output[:grads_numel])
+        whole[whole_numel : whole_numel + count].copy_(output[grads_numel : grads_numel + count])
+        return whole
+
+    def predivide_factor(self, reduce_dtype: torch.dtype | None = None) -> float:
+        """Low-precision sums can overflow and per-rank quotients underflow: divide by a
+        power of two near the square root of the factor before reducing and by the rest
+        after (the split torch uses, so results agree bitwise)."""
+        if (reduce_dtype or self.reduce_dtype) in (torch.float32, torch.bfloat16, torch.float64):
+            return 1.0
+        factor = self.divide_factor()
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre)
+
+    def divide_factor(self) -> float:
+        """The total divisor of the summed gradients. ``force_sum_reduction`` changes only
+        which collective op is used (always SUM here), never this divisor."""
+        if self.gradient_divide_factor is not None:
+            return self.gradient_divide_factor
+        return float(self.world_size * self.replicate_size)
+
+    def _require_comm(self) -> CommContext:
+        if self.comm is None:
+            raise AssertionError(f"{self.label}: used before lazy initialization")
+        return self.comm
+
+
+# See [Note: padded gradient flags].
+REDUCE_FLAG_ALIGN_BYTES = 64
+
+# One aten kernel that chunks, pads and concatenates (what the reduce-scatter copy-in needs);
+# torch's own FSDP uses it. Private in name, so looked up with a fallback.
+_chunk_cat: Callable[..., torch.Tensor] | None = getattr(torch, "_chunk_cat", None)
+
+
+def promote_dtypes(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype every given dtype converts to without loss (fp32 for bf16 and fp32)."""
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+def grad_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros standing in for a missing gradient; expanded from one element, so they
+    allocate nothing (the copy-in reads them as zeros)."""
+    return torch.zeros(1, dtype=dtype, device=device).expand(shape)
