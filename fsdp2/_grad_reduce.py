@@ -250,8 +250,8 @@ class GradientReduction:
             return
         chunks: list[torch.Tensor] = []
         for p, t in zip(self.params, rows[:-1]):
-            if t.shape[0] == ws * p.rows_per_rank:
-                chunks.append(t.reshape(ws, -1))  # even: a view
+            if p.shard_dim or t.shape[0] == ws * p.rows_per_rank:
+                chunks.append(t.reshape(ws, -1))  # even: a view (Shard(d > 0): a copy)
             else:
                 padding = (ws * p.rows_per_rank - t.shape[0]) * p.row_numel
                 chunks.append(F.pad(t.reshape(-1), (0, padding)).view(ws, -1))

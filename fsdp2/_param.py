@@ -23,6 +23,19 @@ in the flat shard buffer) and ``gather_offset`` (the slot in an all-gather row) 
 buffer's elements (bytes for a ``uint8`` buffer); ``offset`` always counts elements of the
 reduce-scatter layout.
 
+[Note: sharding a dim other than 0]
+``shard_placement_fn`` may return ``Shard(d)`` with ``d > 0`` (only for sizes the shard
+group divides, so there is no padding). Each rank's slot then holds its shard in its own
+natural layout, ``(*shape[:d], shape[d] / world_size, *shape[d + 1:])``, and the unsharded
+parameter is the natural layout of the whole tensor: both contiguous, as in torch, so code
+that calls ``.view()`` on a parameter, and kernels that want dense strides (grouped GEMMs
+of experts sharded on dim 1), see what they would see without sharding. Rank ``r``'s shard
+is not one contiguous span of the unsharded parameter but ``outer`` spans (one per index of
+the dims before ``d``), so such a parameter's copy-out target and reduce-scatter source
+are strided ``(world_size, outer, span)`` views, and a group holding one copies out with
+``torch._foreach_copy_`` instead of the fused ``split_with_sizes_copy`` (the same bytes
+moved, one kernel per parameter on the CPU).
+
 [Note: storage resize and autograd]
 Every parameter's unsharded tensor is created once, as a view into the group's unsharded
 buffer, and reused every step. Resharding frees memory by resizing that buffer's storage to
@@ -185,9 +198,9 @@ class ShardedParam:
             self.shape = param.shape
         self.dtype = param.dtype
         self.mesh = mesh
-        # [Note: flat shard buffer] Shard(d) for d > 0 is stored as Shard(0) of
-        # ``param.movedim(d, 0)``; the tensors users see are ``movedim(0, d)`` views.
+        # Shard(d) for d > 0: see [Note: sharding a dim other than 0].
         self.shard_dim = shard_dim
+        self.outer_numel = math.prod(self.shape[:shard_dim])  # elements before dim d
         self.rows_shape = (
             self.shape[shard_dim],
             *self.shape[:shard_dim],
@@ -301,12 +314,15 @@ class ShardedParam:
         return self._shaped(reduced[start : start + self.local_numel])
 
     def _shaped(self, flat: torch.Tensor) -> torch.Tensor:
-        rows = flat.view(self.local_rows, *self.rows_shape[1:])
-        return rows.movedim(0, self.shard_dim) if self.shard_dim else rows
+        d = self.shard_dim
+        return flat.view(*self.shape[:d], self.local_rows, *self.shape[d + 1 :])
 
     def as_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """View an unsharded-shaped tensor (e.g. a gradient; TP-local for a TP DTensor)
-        with the sharded dim first."""
+        """An unsharded-shaped tensor (e.g. a gradient; TP-local for a TP DTensor) laid
+        out so that cutting its dim 0 into ``world_size`` chunks gives each rank's shard in
+        the layout of its slot: the tensor itself for Shard(0) (the chunks are padded when
+        uneven); for Shard(d), ``(world_size, elements before d, the rest)``, a strided
+        view (see [Note: sharding a dim other than 0])."""
         if isinstance(tensor, DTensor):
             if tuple(tensor.placements) != self.tp_placements:
                 # DTensor's backward may lay a gradient out differently from its parameter
@@ -314,7 +330,9 @@ class ShardedParam:
                 # be this rank's TP shard. Bring it to the parameter's TP placements.
                 tensor = tensor.redistribute(placements=self.tp_placements)
             tensor = tensor.to_local()
-        return tensor.movedim(self.shard_dim, 0) if self.shard_dim else tensor
+        if not self.shard_dim:
+            return tensor
+        return tensor.reshape(self.outer_numel, self.world_size, -1).transpose(0, 1)
 
     def init_sharded_param(
         self, full: torch.Tensor, flat_shard: torch.Tensor, requires_grad: bool
@@ -454,10 +472,10 @@ class ShardedParam:
         ws = self.world_size
         slot = typed_slice(unsharded_flat, start, ws * self.padded_numel, dtype)
         stop = start + slot.numel() * dtype.itemsize // unsharded_flat.element_size()
-        padded = slot.view(ws * self.rows_per_rank, *self.rows_shape[1:])
-        unsharded = padded[: self.rows_shape[0]]
-        if self.shard_dim:
-            unsharded = unsharded.movedim(0, self.shard_dim)
+        if self.shard_dim:  # even by construction: no padding, the natural layout
+            unsharded = slot.view(self.shape)
+        else:
+            unsharded = slot.view(ws * self.rows_per_rank, *self.shape[1:])[: self.shape[0]]
         if self.tp_mesh is not None:
             # TP modules compute with DTensor parameters: wrap the TP-local view again.
             unsharded = DTensor.from_local(
@@ -471,7 +489,11 @@ class ShardedParam:
         self.unsharded_param = nn.Parameter(
             unsharded, requires_grad=self.sharded_param.requires_grad
         )
-        return unsharded_flat.data[start:stop].view(ws, (stop - start) // ws)
+        write = unsharded_flat.data[start:stop]
+        if self.shard_dim:
+            # Rank r's shard is the r-th of ws equal spans within each outer index.
+            return write.view(self.outer_numel, ws, -1).transpose(0, 1)
+        return write.view(ws, (stop - start) // ws)
 
     def require_unsharded_param(self) -> nn.Parameter:
         """``unsharded_param``, which exists once the group's lazy init made it."""

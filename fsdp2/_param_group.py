@@ -276,7 +276,7 @@ class ParamGroup(GradientReduction):
         # One parameter, or one rank with every slot already aligned: rank-major and
         # param-major layouts coincide, so the all-gather (or, for one rank, the cast or
         # copy that replaces it) writes straight into the unsharded buffer, no copy-out.
-        self._gather_in_place = len(self.params) == 1 or (
+        self._gather_in_place = (len(self.params) == 1 and not self.params[0].shard_dim) or (
             ws == 1 and all(start % align == 0 for start in starts)
         )
         if not self._gather_in_place:
@@ -334,7 +334,12 @@ class ParamGroup(GradientReduction):
         if self.post_forward_size:
             # Each parameter's slot split into post_forward_size equal chunks.
             size = self.post_forward_size
-            self._post_forward_targets = [t.reshape(size, -1) for t in self._copy_out_targets]
+            self._post_forward_targets = [
+                t.reshape(size, -1) if t.dim() == 2 else _strided_chunks(t, size)
+                for t in self._copy_out_targets
+            ]
+        # Shard(d > 0) targets are strided: [Note: sharding a dim other than 0] in _param.
+        self._strided_copy_out = any(t.dim() != 2 for t in self._copy_out_targets)
         self._free_unsharded()
 
     def ensure_shards_bound(self) -> None:
@@ -475,10 +480,16 @@ class ParamGroup(GradientReduction):
             self._alloc_unsharded()
             if in_flight.from_post_forward:
                 ranks, targets = self.post_forward_size, self._post_forward_targets
-                sizes = [t.shape[1] for t in targets]
+                sizes = [t[0].numel() for t in targets]
             else:
                 ranks, targets, sizes = self.world_size, self._copy_out_targets, self._gather_sizes
-            torch.split_with_sizes_copy(in_flight.output.view(ranks, -1), sizes, dim=1, out=targets)
+            output = in_flight.output.view(ranks, -1)
+            if self._strided_copy_out:
+                sources = torch.split(output, sizes, dim=1)
+                torch._foreach_copy_(targets, [s.view(t.shape) for s, t in zip(sources, targets)])
+            else:
+                torch.split_with_sizes_copy(output, sizes, dim=1, out=targets)
+            del output
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
             comm.release_all_gather_memory()
             comm.host_buffers.release(in_flight.output)
@@ -504,7 +515,7 @@ class ParamGroup(GradientReduction):
         keep_partial = post_forward and self.post_forward_size > 0
         if keep_partial:
             index = self._post_forward_index
-            chunks = [t[index] for t in self._post_forward_targets]
+            chunks = [t[index].reshape(-1) for t in self._post_forward_targets]
             self._post_forward_shard = torch.cat(chunks)
             self._post_forward_ready = record_event(self._require_comm().streams.compute())
         for p in self.params:
@@ -548,3 +559,11 @@ class ParamGroup(GradientReduction):
 
 # See [Note: aligned unsharded parameters].
 UNSHARDED_ALIGN_BYTES = 256
+
+
+def _strided_chunks(target: torch.Tensor, size: int) -> torch.Tensor:
+    """A Shard(d > 0) copy-out target ``(world_size, outer, span)`` regrouped into
+    ``size`` chunks of consecutive ranks, ``(size, outer, world_size / size * span)``: the
+    post-forward layout of ``reshard_after_forward=size``. Still a view of the buffer."""
+    natural = target.transpose(0, 1)  # (outer, world_size, span), contiguous
+    return natural.reshape(natural.shape[0], size, -1).transpose(0, 1)

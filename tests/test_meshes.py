@@ -299,6 +299,103 @@ def test_shard_placement_dim1_parity(impl: str, world_size: int) -> None:
     assert rep["local_shapes"]["layers.0.attention.wq.weight"] == (32, 32 // world_size)
 
 
+class _Experts(torch.nn.Module):
+    """Expert weights sharded on dims 1 and 2 next to dim-0 ones; the forward reshapes
+    parameters with ``.view``, which needs them contiguous (as without sharding)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 12, experts: int = 2) -> None:
+        super().__init__()
+        self.w_in = torch.nn.Parameter(torch.randn(experts, dim, hidden) / dim**0.5)
+        self.w_out = torch.nn.Parameter(torch.randn(experts, hidden, dim) / hidden**0.5)
+        self.proj = torch.nn.Linear(dim, dim)  # weight on dim 1, bias on dim 0
+        self.seen_contiguous: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen_contiguous += [self.w_in.is_contiguous(), self.w_out.is_contiguous()]
+        e, d, h = self.w_in.shape
+        hidden = torch.relu(x @ self.w_in.view(e * d, h)[:d])  # a view of the parameter
+        return self.proj(torch.bmm(hidden.expand(e, -1, -1), self.w_out).sum(0))
+
+
+class _Router(torch.nn.Module):
+    """A group with one parameter, sharded on dim 1 (no in-place all-gather for it)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.gate.view(-1).view(self.gate.shape)
+
+
+def _shard_last_dims(param: torch.nn.Parameter):
+    from torch.distributed.tensor import Shard
+
+    return Shard(param.dim() - 1) if param.dim() >= 2 else None
+
+
+def _train_shard_last_dims(impl: str, reshard: bool | int) -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_Router(), _Experts(), _Experts())
+    model = copy.deepcopy(ref)
+    fully_shard = get_fully_shard(impl)
+    mesh = init_device_mesh("cpu", (ws,))
+    for block in model:
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=_shard_last_dims
+        )
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = []
+    local_contiguous = []
+    torch.manual_seed(1)
+    for _ in range(3):
+        batch = torch.randn(4 * ws, 8)
+        model(batch[4 * rank : 4 * rank + 4]).pow(2).mean().backward()
+        ref(batch).pow(2).mean().backward()
+        local_contiguous += [p.to_local().is_contiguous() for p in model.parameters()]
+        local_contiguous += [p.grad.to_local().is_contiguous() for p in model.parameters()]
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        worst.append(compare_params(ref, model))
+    return {
+        "worst": worst,
+        "placements": {n: str(p.placements[0]) for n, p in model.named_parameters()},
+        "local_contiguous": all(local_contiguous),
+        "unsharded_contiguous": all(model[1].seen_contiguous + model[2].seen_contiguous),
+        "params": [p.full_tensor() for p in model.parameters()],
+    }
+
+
+@pytest.mark.parametrize(("world_size", "reshard"), [(2, True), (4, True), (4, 2), (4, False)])
+def test_shard_placement_higher_dims_contiguous_and_like_torch(
+    world_size: int, reshard: bool | int
+) -> None:
+    """Shard(1) and Shard(2) parameters, alone in a group or mixed with Shard(0) ones:
+    unsharded parameters, local shards and gradient shards are contiguous as in torch (a
+    forward calling ``.view()`` on a parameter failed on fsdp2's transposed views), and
+    training matches the non-sharded model and torch's ``fully_shard`` (which raises an
+    IndexError in backward's copy-out with ``reshard_after_forward=2`` here)."""
+    ours = run_ranks(_train_shard_last_dims, world_size, "fsdp2", reshard)
+    _check_parity(ours)
+    rep = ours[0]
+    assert rep["placements"]["0.gate"] == "S(1)"
+    assert rep["placements"]["1.w_in"] == "S(2)"
+    assert rep["placements"]["1.proj.bias"] == "S(0)"
+    assert rep["local_contiguous"] and rep["unsharded_contiguous"]
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
+        return
+    theirs = run_ranks(_train_shard_last_dims, world_size, "torch", reshard)
+    _check_parity(theirs)
+    assert theirs[0]["local_contiguous"] and theirs[0]["unsharded_contiguous"]
+    for a, b in zip(rep["params"], theirs[0]["params"]):
+        assert (a - b).abs().max().item() <= 1e-6
+
+
 def _uneven_dim1() -> str:
     from torch.distributed.tensor import Shard
 
