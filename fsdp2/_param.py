@@ -194,6 +194,15 @@ class ShardedParam:
         if isinstance(param, DTensor):
             self._init_tensor_parallel(param, mesh, fqn, shard_dim)
             self.shape = param.to_local().shape  # all layout below is TP-local
+            dp_size = mesh.size(mesh.ndim - 1)
+            if shard_dim and self.shape[shard_dim] % dp_size:
+                raise ValueError(
+                    f"fully_shard: Shard({shard_dim}) for '{fqn}' needs size "
+                    f"{self.shape[shard_dim]} of dim {shard_dim} of its tensor-parallel "
+                    f"local shard (global shape {tuple(param.shape)}) to be divisible by "
+                    f"the shard group size {dp_size}; shard another dim or return None "
+                    f"for Shard(0) (which pads)."
+                )
         else:
             self.shape = param.shape
         self.dtype = param.dtype
@@ -231,11 +240,10 @@ class ShardedParam:
     ) -> None:
         tp_mesh = param.device_mesh
         root = dp_mesh._get_root_mesh()
-        if tp_mesh.ndim != 1 or shard_dim != 0:
+        if tp_mesh.ndim != 1:
             raise NotImplementedError(
                 f"fully_shard: parameter '{fqn}' is a DTensor on a {tp_mesh.ndim}-D mesh; "
-                f"composing with tensor parallelism supports a 1-D TP mesh and dim-0 "
-                f"sharding only (not shard_placement_fn)."
+                f"composing with tensor parallelism supports a 1-D TP mesh."
             )
         # The TP dim must be the last dim of the data-parallel mesh's parent. Compared by
         # ranks, not by the TP mesh's own parent: torch caches sub-meshes, so a mesh built
@@ -267,11 +275,11 @@ class ShardedParam:
                 f"parallelize_module(..., world['{names[-1]}'], ...)."
             )
         (tp_placement,) = param.placements
-        if isinstance(tp_placement, Shard) and tp_placement.dim == 0:
-            # dp splits each TP chunk of dim 0 again: a strided shard in DTensor's terms.
-            dp_placement: Any = _StridedShard(0, split_factor=tp_mesh.size())
+        if isinstance(tp_placement, Shard) and tp_placement.dim == shard_dim:
+            # dp splits each TP chunk of that dim again: a strided shard in DTensor's terms.
+            dp_placement: Any = _StridedShard(shard_dim, split_factor=tp_mesh.size())
         else:
-            dp_placement = Shard(0)
+            dp_placement = Shard(shard_dim)
         self.tp_mesh = tp_mesh
         self.tp_placements = (tp_placement,)
         self.dtensor_mesh = root

@@ -451,10 +451,34 @@ def _tp_plan() -> dict:
     }
 
 
-def _train_fsdp_tp(impls: tuple[str, ...], dp_shape: tuple[int, ...] = (2,)) -> dict:
+def _tp_opposite_dim(param: torch.nn.Parameter):
+    """FSDP on the dim TP does not shard: colwise weights on dim 1, rowwise on dim 0."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(param, DTensor) and isinstance(param.placements[0], Shard):
+        return Shard(1 - param.placements[0].dim) if param.ndim == 2 else Shard(0)
+    return None
+
+
+def _tp_same_dim(param: torch.nn.Parameter):
+    """FSDP on the dim TP shards too (a strided shard), rowwise weights included (dim 1)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(param, DTensor) and isinstance(param.placements[0], Shard):
+        return Shard(param.placements[0].dim)
+    return None
+
+
+def _train_fsdp_tp(
+    impls: tuple[str, ...], dp_shape: tuple[int, ...] = (2,), placement_fn: str | None = None
+) -> dict:
     """``dp_shape`` (dp, or HSDP's replicate x shard) x 2 (tp): TP inside each block, FSDP
-    over dp; SGD so that the comparison with the reference is not dominated by Adam's
-    normalization of near-zero gradients."""
+    over dp, optionally with ``shard_placement_fn`` (the name of one above); SGD so that
+    the comparison with the reference is not dominated by Adam's normalization of
+    near-zero gradients."""
+    shard_placement_fn = {"opposite": _tp_opposite_dim, "same": _tp_same_dim, None: None}[
+        placement_fn
+    ]
     from torch.distributed.tensor.parallel import parallelize_module
 
     case = ParityCase(steps=3)
@@ -474,7 +498,7 @@ def _train_fsdp_tp(impls: tuple[str, ...], dp_shape: tuple[int, ...] = (2,)) -> 
             block.attention.n_heads //= 2  # heads per TP rank
             block.attention.n_kv_heads //= 2
             parallelize_module(block, world["tp"], _tp_plan())
-            get_fully_shard(impl)(block, mesh=dp_mesh)
+            get_fully_shard(impl)(block, mesh=dp_mesh, shard_placement_fn=shard_placement_fn)
         get_fully_shard(impl)(model, mesh=dp_mesh)
         models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.5))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -495,11 +519,19 @@ def _train_fsdp_tp(impls: tuple[str, ...], dp_shape: tuple[int, ...] = (2,)) -> 
             worst[impl].append(compare_params(ref, model)[1])
     params = {impl: [p.full_tensor() for p in m.parameters()] for impl, (m, _) in models.items()}
     same = all(torch.equal(a, b) for a, b in zip(*params.values())) if len(impls) == 2 else None
-    wq = models[impls[0]][0].layers[0].attention.wq.weight
+    block = models[impls[0]][0].layers[0]
+    wq = block.attention.wq.weight
     return {
         "worst": worst,
         "bitwise_equal": same,
         "placements": [type(p).__name__ for p in wq.placements],
+        "dims": {
+            name: [getattr(p, "dim", None) for p in block.get_parameter(name).placements]
+            for name in ("attention.wq.weight", "attention.wo.weight")
+        },
+        "contiguous": all(
+            p.to_local().is_contiguous() for m, _ in models.values() for p in m.parameters()
+        ),
         "mesh_ndim": wq.device_mesh.ndim,
         "collectives": collections.Counter(log),
     }
@@ -517,6 +549,45 @@ def test_fsdp_with_tensor_parallel_2x2() -> None:
         counts = rep["collectives"]
         assert counts[("all_gather", 2)] >= N_GROUPS and counts[("reduce_scatter", 2)] == N_GROUPS
         assert counts[("all_gather", 4)] == 0 and counts[("reduce_scatter", 4)] == 0
+
+
+@pytest.mark.parametrize(
+    ("placement_fn", "wq_dims", "wo_dims"), [("opposite", [1, 0], [0, 1]), ("same", [0, 0], [1, 1])]
+)
+def test_fsdp_with_tensor_parallel_and_shard_placement_fn(
+    placement_fn: str, wq_dims: list[int], wo_dims: list[int]
+) -> None:
+    """FSDP + TP with ``shard_placement_fn`` (torch's own test shards each TP weight on the
+    dim TP leaves alone): parity with the reference and bitwise with torch, whether FSDP
+    takes the other dim or splits the TP dim again (a strided shard on dim 1 for rowwise
+    weights). fsdp2 raised NotImplementedError for any shard_placement_fn with TP."""
+    reports = run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"), (2,), placement_fn)
+    for rank, rep in enumerate(reports):
+        for impl, diffs in rep["worst"].items():
+            assert max(diffs) <= TOL, f"rank {rank} {impl}: max diff {max(diffs):.3g}"
+        assert rep["bitwise_equal"], f"rank {rank}: fsdp2 and torch differ"
+        assert rep["dims"] == {"attention.wq.weight": wq_dims, "attention.wo.weight": wo_dims}
+        assert rep["contiguous"]
+
+
+def _tp_uneven_local_dim() -> str:
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    parallelize_module(model, world["tp"], {"0": RowwiseParallel()})  # weight: local (6, 3)
+    try:
+        get_fully_shard("fsdp2")(model, mesh=world["dp"], shard_placement_fn=_tp_same_dim)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_tensor_parallel_shard_placement_needs_an_even_local_dim() -> None:
+    """The global dim (6) divides over dp, but the TP-local one (3) does not: a clear error
+    naming the parameter, not a wrong layout."""
+    message = run_ranks(_tp_uneven_local_dim, 4)[0]
+    assert "Shard(1) for '0.weight'" in message and "tensor-parallel local shard" in message
 
 
 @pytest.mark.parametrize("dp_shape", [(2, 1), (1, 2)], ids=["replicate2", "shard2"])
