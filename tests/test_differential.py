@@ -3,8 +3,9 @@ DDP-like replica.
 
 ``test_seed``: fixed seeds of the differential fuzzer (``tests/_fuzz.py``; its docstring
 lists what a case randomizes). Each seed builds a random model and training configuration
-and trains it for 2-3 steps under fsdp2 and under torch on 2 or 3 gloo ranks, from the same
-weights on the same per-rank batches. After every step the losses, eval outputs, every
+and trains it for 2-3 steps under fsdp2 and under torch on 2, 3 or 4 gloo ranks (seeds from
+``_fuzz.SHARDING_FROM``: also HSDP on a 2x2 mesh, ``shard_placement_fn`` with ``Shard(d > 0)``,
+``reshard_after_forward=2``), from the same weights on the same per-rank batches. After every step the losses, eval outputs, every
 gradient (``None``-ness too) and every parameter's ``full_tensor()`` must be bitwise equal
 at every world size (``_fuzz.impl_tol``: a module called twice with gradient accumulation,
 which torch reduces per call, is allowed 1e-6 relative), and fsdp2 must match the
@@ -209,7 +210,10 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # frozen parameters. 118 failed before unsharded parameters were aligned, 486 (a list group
 # under activation checkpointing) before the post-backward trigger kept its inputs'
 # strides, 722 (tied embedding and head as one group, gradient accumulation) while such a
-# group was resharded before its embedding's backward. They take about 7 s on 2 cores.
+# group was resharded before its embedding's backward. From ``_fuzz.SHARDING_FROM``: 4444
+# (4 ranks, ``reshard_after_forward=2`` with Shard(1) / Shard(2) parameters of ``Experts``
+# whose forward ``.view()``s them), 4165 (HSDP, Shard(1)), 4314 (HSDP, bf16, accumulation with
+# ``set_requires_all_reduce(False)``). They take about 10 s on 2 cores.
 SEEDS = [
     2,
     29,
@@ -230,6 +234,9 @@ SEEDS = [
     722,
     3306,
     3328,
+    4165,
+    4314,
+    4444,
 ]
 
 FEATURES = {
@@ -239,6 +246,8 @@ FEATURES = {
     "side_drop", "side_zero", "frozen", "input_requires_grad",
     # sharding
     "nested_groups", "list_group", "raf_True", "raf_False", "raf_None", "ws2", "ws3",
+    "ws4", "hsdp", "raf_2", "shard_dim_1", "shard_dim_2", "experts_view", "experts_flat",
+    "accum_all_reduce",
     # training
     "mp", "accum", "zero_grad_keep", "sgd", "adamw", "clip", "eval", "sd_roundtrip",
     "loss_ce", "loss_mse",
