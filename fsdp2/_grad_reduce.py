@@ -37,7 +37,11 @@ one ulp off torch's. Padding ``F`` to 64 bytes (16 fp32 or 32 bf16 elements) kee
 ``S + F = S (mod k)`` for every ``k`` dividing that, which covers ``k = 2`` (per-rank
 chunks up to 2 MiB) and ``k = 4, 8, 16``, so every element is summed in torch's order
 there; larger groups can still differ in the last bit at the first few elements of a
-rank's chunk. At 2 ranks the order of a two-term sum does not matter. The cost is at most
+rank's chunk, and so can groups of a few elements per rank (fuzz seed 4266: a 1-element
+chunk becomes 17 elements, and the sum order changes with the absolute length too) and
+steps where torch leaves parameters without a gradient out of its reduce-scatter (its
+chunk shrinks, ours does not). Both sides stay on the reference; only the last bit
+differs. At 2 ranks the order of a two-term sum does not matter. The cost is at most
 64 bytes per rank per reduce-scatter.
 
 [Note: reduce-scatter input lifetime]

@@ -73,12 +73,17 @@ from torch.utils.checkpoint import checkpoint
 # The training step, read by ``Maybe`` (set the same on every rank).
 CTX = {"step": 0}
 
-# fsdp2 vs torch: bitwise at every world size. At 3 ranks gloo sums a reduce-scatter element
-# in an order that depends on the length of each rank's chunk modulo its segmenting, which
-# fsdp2's "had a gradient" flags would change if they were not padded to 64 bytes
-# ([Note: padded gradient flags]; 1-ulp differences before they were). The one known
-# exception is ``TWICE_ACCUM_TOL`` (see ``impl_tol``).
+# fsdp2 vs torch: bitwise at 2 ranks (a sum of two terms does not depend on its order).
+# At 3 and 4 ranks gloo adds a reduce-scatter element's terms in an order that depends on
+# the buffer's length (its ring splits the buffer into segments); fsdp2's "had a gradient"
+# flags lengthen each rank's chunk. Padding them to 64 bytes ([Note: padded gradient flags])
+# keeps torch's order for most layouts, not all: a group of a few elements per rank
+# (seed 4266: 1 element plus 16 flags against torch's 1), or a step where torch leaves
+# parameters without a gradient out of its reduce-scatter (seed 4217), can differ in the
+# last bit, with both implementations on the reference. Hence a relative tolerance of a few
+# ulps from 3 ranks on, and bitwise at 2.
 IMPL_TOL = 0.0
+MULTI_RANK_IMPL_TOL = 1e-6
 # A module called several times per forward with gradient accumulation: torch reduces after
 # each call's backward, fsdp2 once after the last (see ``classify``): sums round apart.
 TWICE_ACCUM_TOL = 1e-6
@@ -90,9 +95,12 @@ def is_twice_accum(case: dict) -> bool:
 
 
 def impl_tol(case: dict) -> float:
-    """The relative tolerance between fsdp2 and torch on ``case``: bitwise, except where
-    the two reduce a module's gradients at different times by design."""
-    return TWICE_ACCUM_TOL if is_twice_accum(case) else IMPL_TOL
+    """The relative tolerance between fsdp2 and torch on ``case``: bitwise at 2 ranks,
+    a few ulps from 3 ranks on (see ``MULTI_RANK_IMPL_TOL``), except where the two reduce a
+    module's gradients at different times by design."""
+    if is_twice_accum(case):
+        return TWICE_ACCUM_TOL
+    return IMPL_TOL if case["ws"] <= 2 else MULTI_RANK_IMPL_TOL
 
 
 # Seeds from here on also draw ``discard_fwd`` and ``two_fwd`` (added later).

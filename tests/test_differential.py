@@ -5,10 +5,12 @@ DDP-like replica.
 lists what a case randomizes). Each seed builds a random model and training configuration
 and trains it for 2-3 steps under fsdp2 and under torch on 2, 3 or 4 gloo ranks (seeds from
 ``_fuzz.SHARDING_FROM``: also HSDP on a 2x2 mesh, ``shard_placement_fn`` with ``Shard(d > 0)``,
-``reshard_after_forward=2``), from the same weights on the same per-rank batches. After every step the losses, eval outputs, every
-gradient (``None``-ness too) and every parameter's ``full_tensor()`` must be bitwise equal
-at every world size (``_fuzz.impl_tol``: a module called twice with gradient accumulation,
-which torch reduces per call, is allowed 1e-6 relative), and fsdp2 must match the
+``reshard_after_forward=2``), from the same weights on the same per-rank batches. After
+every step the losses, eval outputs, every gradient (``None``-ness too) and every
+parameter's ``full_tensor()`` must be bitwise equal at 2 ranks and within a few ulps (1e-6
+relative) at 3 and 4, where gloo's summation order depends on buffer lengths
+(``_fuzz.impl_tol``; a module called twice with gradient accumulation, which torch reduces
+per call, is allowed 1e-6 relative at any size), and fsdp2 must match the
 non-sharded model trained on the global batch (``_fuzz.REF_TOL``). The seeds were chosen to
 cover the feature mix together (``test_seeds_cover_the_feature_mix``).
 
