@@ -17,11 +17,9 @@ Timeline of one training step for a tree sharded bottom-up (blocks, then the roo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable
 from enum import Enum, auto
 from typing import Any
 
@@ -30,9 +28,9 @@ from torch import nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp2._comm_context import CommContext
+from fsdp2._module_io import cast_floating, map_tensors, tensors_in
 from fsdp2._param_group import ParamGroup
 from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2._stream_utils import wait_event, wait_stream
@@ -257,7 +255,7 @@ class FSDPState:
         """Another module of a group that already started this forward."""
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         group = self.group
         if group is not None and not group.is_unsharded:
             group.unshard()
@@ -268,7 +266,7 @@ class FSDPState:
 
     def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floating(output, self.mp_policy.output_dtype)
+            output = cast_floating(output, self.mp_policy.output_dtype)
         return output
 
     def _complete_partial_forward(self, output: Any) -> Any:
@@ -306,7 +304,7 @@ class FSDPState:
         group = self.group
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if tree.in_backward:
             # Activation checkpointing recomputes this forward inside backward.
             self.training_state = TrainingState.FORWARD
@@ -411,7 +409,7 @@ class FSDPState:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Route the inputs that need grad through ``_PostBackward`` so its backward runs
         once gradients for all of them (and so for this module's parameters) are done."""
-        inputs = [x for x in _tensors((args, kwargs)) if x.requires_grad]
+        inputs = [x for x in tensors_in((args, kwargs)) if x.requires_grad]
         if not inputs:
             return args, kwargs
         self._claims_this_forward += 1
@@ -421,10 +419,10 @@ class FSDPState:
         else:
             aliases = _EagerPostBackward.apply(self, *inputs)
         outputs = dict(zip(map(id, inputs), aliases))
-        return _map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
+        return map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
 
     def _attach_pre_backward(self, output: Any) -> Any:
-        tensors = [x for x in _tensors(output) if x.requires_grad]
+        tensors = [x for x in tensors_in(output) if x.requires_grad]
         hook = functools.partial(self._pre_backward, self._claims_this_forward)
         if len(tensors) == 1:
             # What register_multi_grad_hook(mode="any") does for one tensor, without its
@@ -640,82 +638,6 @@ class FSDPState:
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
-
-
-def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a nest of containers to ``dtype``."""
-    return _map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
-
-
-# Module inputs and outputs are walked with pytree (containers, namedtuples, registered
-# classes such as Hugging Face's ModelOutput) and, inside it, through dataclass instances
-# pytree does not know, which it would take for opaque leaves: their tensors would miss
-# the casts and the backward triggers.
-def _plain_tensors(tree: Any) -> tuple[torch.Tensor, ...] | None:
-    """The leaves of ``tree`` if it is a plain ``torch.Tensor`` or a hook's ``(args, kwargs)``
-    with only plain tensors in ``args`` and no ``kwargs``; else None.
-
-    The common case of every hook call (a block called with activations, returning one),
-    handled without pytree, whose flatten and unflatten cost 10-30 us per call. Only exact
-    ``torch.Tensor`` objects qualify: pytree takes them for leaves, while a subclass could be
-    registered as a pytree node (and a container needs the general walk anyway)."""
-    if type(tree) is torch.Tensor:
-        return (tree,)
-    if type(tree) is tuple and len(tree) == 2:
-        args, kwargs = tree
-        if (
-            type(args) is tuple
-            and type(kwargs) is dict
-            and not kwargs
-            and all(type(x) is torch.Tensor for x in args)
-        ):
-            return args
-    return None
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in ``tree``, dataclass fields included."""
-    plain = _plain_tensors(tree)
-    if plain is not None:
-        return list(plain)
-    out: list[torch.Tensor] = []
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif _is_dataclass_instance(leaf):
-            for field in dataclasses.fields(leaf):
-                out += _tensors(getattr(leaf, field.name))
-    return out
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """``tree`` with every tensor ``x`` replaced by ``fn(x)``; dataclass instances are
-    rebuilt with ``dataclasses.replace`` where a field changed."""
-    plain = _plain_tensors(tree)
-    if plain is not None:  # a tensor, or (args, {}): rebuilt as tree_unflatten would
-        if type(tree) is torch.Tensor:
-            return fn(tree)
-        return tuple(fn(x) for x in plain), {}
-    leaves, spec = tree_flatten(tree)
-    mapped = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            leaf = fn(leaf)
-        elif _is_dataclass_instance(leaf):
-            changes = {}
-            for field in dataclasses.fields(leaf):
-                value = getattr(leaf, field.name)
-                new = _map_tensors(fn, value)
-                if field.init and new is not value:
-                    changes[field.name] = new
-            if changes:
-                leaf = dataclasses.replace(leaf, **changes)
-        mapped.append(leaf)
-    return tree_unflatten(mapped, spec)
-
-
-def _is_dataclass_instance(x: Any) -> bool:
-    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 class _PendingBackward:

@@ -154,6 +154,7 @@ MODULE_CHAIN = [
     "_fully_shard",
     "_init",
     "_state",
+    "_module_io",
     "_param_group",
     "_grad_reduce",
     "_comm_context",
