@@ -66,8 +66,9 @@ would find the group unsharded and compute with the old weights (torch's ``fully
 does). So every all-gather records the flat shard it read and the version counters of it and
 of the sharded parameters (an optimizer's in-place update bumps the ``DTensor``'s own
 counter, not its local tensor's: one integer read per parameter per step), and the
-root's pre-forward reshards
-any group whose shards changed since: its forward gathers the current values. Forwards
+root's pre-forward reshards any group whose shards changed since: its forward gathers the
+current values. A sharded submodule called directly (outside the root's forward) checks
+its own group the same way. Forwards
 without an update in between (several forwards then one backward, eval loops) see the
 same version and keep their unsharded parameters. The same holds for a kept post-forward
 share of ``reshard_after_forward=k``, and for a user's ``unshard()`` followed by an

@@ -322,6 +322,11 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
+        elif group is not None and tree.root.training_state is not TrainingState.FORWARD:
+            # Called directly, not inside the root's forward: the root's check of stale
+            # unsharded parameters did not run for this step ([Note: stale unsharded
+            # parameters]).
+            group.reshard_if_stale()
         self.training_state = TrainingState.FORWARD
         self._claims_this_forward = 0
         if group is not None:

@@ -160,6 +160,42 @@ def _stale_after_forward_without_backward(impl: str, reshard: bool) -> list[str]
     return problems
 
 
+def _stale_submodule_called_directly(impl: str) -> float:
+    """A training step, a forward with grad and no backward (the groups stay gathered), an
+    optimizer step, then a call of a sharded submodule on its own: the largest difference
+    of its output from the non-sharded model's."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = copy.deepcopy(ref)
+    fully_shard = get_fully_shard(impl)
+    fully_shard(model[0], reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
+    model(x[2 * rank : 2 * rank + 2]).sum().backward()
+    ref(x).sum().div(ws).backward()
+    model(x[2 * rank : 2 * rank + 2])  # with grad, no backward: the groups stay gathered
+    ref(x)
+    opt.step()
+    ref_opt.step()
+    with torch.no_grad():
+        out = model[0](x)
+        expected = ref[0](x)
+    return (out - expected).abs().max().item()
+
+
+def test_submodule_called_directly_after_optimizer_step_uses_new_weights() -> None:
+    """The stale-weight check ran only in the root's pre-forward; a sharded submodule
+    called on its own (an encoder used for evaluation, a probe) after a forward without
+    backward and an optimizer step computed with the old weights. Its own pre-forward now
+    checks its group when the root is not in forward."""
+    require_impl("fsdp2")
+    for diff in run_ranks(_stale_submodule_called_directly, 2, "fsdp2"):
+        assert diff <= 1e-6, diff
+
+
 @pytest.mark.parametrize("reshard", [False, True])
 def test_forward_without_backward_then_optimizer_step(reshard: bool) -> None:
     """A forward with grad enabled and no backward left a ``reshard_after_forward=False``
