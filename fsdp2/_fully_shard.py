@@ -27,6 +27,8 @@ from fsdp2._init import (
     mesh_device,
     move_states_to_device,
     post_forward_group,
+    reject_spmd_dtensors,
+    resolve_dp_mesh_dims,
     resolve_mesh,
     shard_dim_of,
     validate_modules,
@@ -104,8 +106,12 @@ def fully_shard(
         mp_policy: all-gather, compute and reduce dtypes; see ``MixedPrecisionPolicy``.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients in CPU memory.
         ignored_params: parameters to leave unsharded and unmanaged.
-        dp_mesh_dims: torch >= 2.13's selection of data-parallel dims of a larger mesh;
-            only ``None`` is supported (pass the data-parallel mesh itself).
+        dp_mesh_dims: torch >= 2.13's ``DataParallelMeshDims(shard=..., replicate=...)``
+            naming the data-parallel dims of ``mesh``. Supported where those are all of
+            ``mesh``'s dims (several shard dims are flattened; HSDP: one replicate dim,
+            then one shard dim) and the parameters are plain tensors (torch's SPMD mode,
+            with ``DTensor`` parameters on ``mesh``, raises ``NotImplementedError``).
+            Otherwise pass the data-parallel submesh as ``mesh`` (see docs/meshes.md).
 
     Returns:
         The same module object(s), now also instances of ``FSDPModule``.
@@ -116,10 +122,9 @@ def fully_shard(
     mp_policy = validate_mp_policy(mp_policy)
     offload_policy = validate_offload_policy(offload_policy)
     if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) is not supported yet; pass the data-parallel "
-            "(sub)mesh as mesh=... instead, e.g. world_mesh['dp']."
-        )
+        spmd_mesh = mesh
+        mesh = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
+        reject_spmd_dtensors(modules, cast(DeviceMesh, spmd_mesh), ignored_params)
     mesh = resolve_mesh(mesh)
     reshard_after_forward = validate_reshard_after_forward(reshard_after_forward, mesh)
     device = mesh_device(mesh)

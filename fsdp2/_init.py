@@ -59,6 +59,96 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     return mesh
 
 
+def _dim_names(value: Any, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(
+        f"fully_shard(dp_mesh_dims=...): {what} must be a mesh dim name or a tuple of names, got {value!r}."
+    )
+
+
+def resolve_dp_mesh_dims(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh:
+    """The data-parallel mesh that torch 2.13's ``dp_mesh_dims`` names within ``mesh``.
+
+    Supported: every dim of ``mesh`` is a data-parallel dim (the SPMD mesh is the
+    data-parallel mesh, possibly with several shard dims to flatten), as FSDP
+    (``shard`` only) or HSDP (``shard`` and ``replicate``, one name each, in the mesh's
+    order), with plain parameters. A mesh with other dims (tensor or expert parallel) needs
+    parameters laid out on the whole mesh, which fsdp2 does not do: pass
+    ``mesh=world['dp']`` with TP ``DTensor``s on ``world['tp']`` instead."""
+    shard = _dim_names(getattr(dp_mesh_dims, "shard", None), "shard")
+    replicate = _dim_names(getattr(dp_mesh_dims, "replicate", None), "replicate")
+    if not hasattr(dp_mesh_dims, "shard") or not hasattr(dp_mesh_dims, "replicate"):
+        raise TypeError(
+            f"fully_shard(dp_mesh_dims=...) expects a DataParallelMeshDims(shard=..., "
+            f"replicate=...), got {type(dp_mesh_dims).__name__}."
+        )
+    if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
+        raise ValueError(
+            "fully_shard(dp_mesh_dims=...) needs mesh= a DeviceMesh with mesh_dim_names "
+            "that contain the named dims."
+        )
+    names = tuple(mesh.mesh_dim_names)
+    unknown = [n for n in shard + replicate if n not in names]
+    if unknown:
+        raise ValueError(
+            f"fully_shard(dp_mesh_dims=...): {unknown} are not dims of the mesh {names}."
+        )
+    if not shard:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=DataParallelMeshDims(replicate=...)) without shard "
+            "dims (pure replication) is not supported; use torch's replicate() or DDP."
+        )
+    others = [n for n in names if n not in shard + replicate]
+    if others:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) on a mesh with dims {others} beyond the "
+            f"data-parallel ones is not supported; pass the data-parallel submesh, e.g. "
+            f"mesh=world[{shard[0]!r}], with tensor-parallel DTensors on their own dim."
+        )
+    if not replicate:
+        dp = mesh[shard] if len(shard) > 1 else mesh[shard[0]]
+        return dp._flatten("_".join(shard)) if len(shard) > 1 else dp
+    if len(shard) > 1 or len(replicate) > 1 or names != (replicate[0], shard[0]):
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims=...) for HSDP supports one replicate and one shard "
+            f"dim, in that order in the mesh; got replicate={replicate}, shard={shard} on "
+            f"a mesh with dims {names}."
+        )
+    return mesh
+
+
+def reject_spmd_dtensors(
+    modules: tuple[nn.Module, ...],
+    spmd_mesh: DeviceMesh,
+    ignored_params: Iterable[nn.Parameter] | None,
+) -> None:
+    """With ``dp_mesh_dims``, torch keeps parameters that are ``DTensor``s on the SPMD mesh
+    (``distribute_module``) as ``DTensor``s in forward, and expects ``DTensor`` inputs;
+    fsdp2 computes with plain tensors. Rather than change what the forward sees, refuse
+    such parameters with a clear error."""
+    from torch.distributed.tensor import DTensor
+
+    ignored = {id(p) for p in ignored_params or ()}
+    for top in modules:
+        for prefix, param in top.named_parameters(remove_duplicate=False):
+            if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
+                continue
+            if id(param) in ignored or getattr(param, _OWNER_ATTR, None) is not None:
+                continue
+            raise NotImplementedError(
+                f"fully_shard(dp_mesh_dims=...): parameter '{prefix}' is a DTensor on the "
+                f"mesh itself (e.g. from distribute_module). torch's SPMD mode keeps such "
+                f"parameters DTensors in forward; fsdp2 shards plain parameters and "
+                f"computes with plain tensors. Pass the model without distribute_module "
+                f"(plain parameters, plain inputs), or use torch.distributed.fsdp for it."
+            )
+
+
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device this rank's shards live on: the mesh's device type, current index."""
     if mesh.device_type == "cpu":

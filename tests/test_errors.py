@@ -113,6 +113,23 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def dp_mesh_dims() -> None:
         fsdp2.fully_shard(Block(), mesh=_mesh(), dp_mesh_dims=object())  # type: ignore[call-arg]
 
+    def dp_mesh_dims_with_dtensor_params() -> None:
+        import types
+
+        from torch.distributed.tensor import distribute_module
+
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        block = distribute_module(Block(), world)
+        dims = types.SimpleNamespace(shard="dp", replicate=None)
+        fsdp2.fully_shard(block, mesh=world, dp_mesh_dims=dims)
+
+    def dp_mesh_dims_beyond_data_parallel() -> None:
+        import types
+
+        world = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+        dims = types.SimpleNamespace(shard="dp", replicate=None)
+        fsdp2.fully_shard(Block(), mesh=world, dp_mesh_dims=dims)
+
     def reshard_int_not_divisor() -> None:
         fsdp2.fully_shard(Block(), mesh=_mesh(), reshard_after_forward=3)
 
@@ -250,7 +267,15 @@ EXPECTED: dict[str, tuple[str, str]] = {
     ),
     "mesh_not_a_device_mesh": ("TypeError", r"expects a DeviceMesh, got str"),
     "mesh_3d": ("ValueError", r"got a 3-D mesh"),
-    "dp_mesh_dims": ("NotImplementedError", r"dp_mesh_dims"),
+    "dp_mesh_dims": ("TypeError", r"dp_mesh_dims=.*expects a DataParallelMeshDims"),
+    "dp_mesh_dims_with_dtensor_params": (
+        "NotImplementedError",
+        r"parameter 'lin\.weight' is a DTensor on the mesh itself.*distribute_module",
+    ),
+    "dp_mesh_dims_beyond_data_parallel": (
+        "NotImplementedError",
+        r"dims \['tp'\] beyond the data-parallel ones.*mesh=world\['dp'\]",
+    ),
     "reshard_int_not_divisor": (
         "ValueError",
         r"reshard_after_forward=3.*divisor of the shard group",
