@@ -102,7 +102,8 @@ def fully_shard(
             so backward all-gathers within groups of N ranks (e.g. one node).
         shard_placement_fn: ``fn(param) -> Shard(dim) | None`` picks each parameter's
             sharded dim (``None``: dim 0). Dims other than 0 need sizes divisible by the
-            shard group size; they cost no extra copies (see docs/meshes.md).
+            shard group size. Shards, gradients and unsharded parameters are contiguous,
+            as in torch (see docs/meshes.md).
         mp_policy: all-gather, compute and reduce dtypes; see ``MixedPrecisionPolicy``.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients in CPU memory.
         ignored_params: parameters to leave unsharded and unmanaged.
