@@ -141,6 +141,62 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
+    """The mesh of a TP (or EP) parameter's sharded DTensor: the data-parallel dims, then
+    the parameter's own. Both must be slices of one mesh (``world['dp']``,
+    ``world['tp']``), disjoint; other dims of that mesh (pipeline stages) may exist.
+
+    torch's ``DeviceMesh._concatenate`` builds it from any such pair. Where it is missing,
+    the data-parallel mesh's parent must be exactly the data-parallel dims, then one TP
+    dim. Compared by ranks, not by the TP mesh's own parent: torch caches sub-meshes, so a
+    mesh built again in the same process (a new model, a test repeated with another
+    shape) can hand back a TP mesh whose recorded parent is an earlier, equal-ranked
+    mesh."""
+    how = (
+        "Slice both from one mesh with named dims: world = init_device_mesh(type, (dp, tp), "
+        "mesh_dim_names=('dp', 'tp')); parallelize_module(..., world['tp'], ...); "
+        "fully_shard(..., mesh=world['dp']) (HSDP: mesh=world['replicate', 'shard'])."
+    )
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        if not dp_mesh.mesh_dim_names or not tp_mesh.mesh_dim_names:
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh}; combining it "
+                f"with the data-parallel mesh {dp_mesh} needs both to be named slices of "
+                f"one mesh. {how}"
+            )
+        try:
+            return cast(DeviceMesh, concatenate([dp_mesh, tp_mesh]))
+        except (RuntimeError, AssertionError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh}, which does not "
+                f"combine with the data-parallel mesh {dp_mesh} ({error}). {how}"
+            ) from error
+    root = dp_mesh._get_root_mesh()
+    names = tuple(root.mesh_dim_names or ())
+    if root.ndim != dp_mesh.ndim + tp_mesh.ndim or root is dp_mesh or not names:
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the "
+            f"last dimension of the data-parallel mesh's parent ({root}). {how}"
+        )
+    if names[: dp_mesh.ndim] != tuple(dp_mesh.mesh_dim_names or ()):
+        raise NotImplementedError(
+            f"fully_shard: parameter '{fqn}': with this torch, the data-parallel dims must "
+            f"be the outer dims of the mesh, in order, and TP the last one, e.g. "
+            f"mesh_dim_names=('dp', 'tp') or ('replicate', 'shard', 'tp'); got {names}."
+        )
+    tp_names = names[dp_mesh.ndim :]
+    tp_ranks = root[tp_names if len(tp_names) > 1 else tp_names[0]].mesh.tolist()
+    if tp_mesh.mesh.tolist() != tp_ranks or tp_mesh.device_type != root.device_type:
+        raise ValueError(
+            f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh} (ranks "
+            f"{tp_mesh.mesh.tolist()}), but the last dims of the data-parallel mesh's "
+            f"parent {root} hold ranks {tp_ranks} here. Use those dims for TP: "
+            f"parallelize_module(..., world[{tp_names!r}], ...)."
+        )
+    return root
+
+
 class ShardedParam:
     """Layout and tensors of one parameter managed by a ``ParamGroup``."""
 
@@ -239,53 +295,29 @@ class ShardedParam:
         self, param: DTensor, dp_mesh: DeviceMesh, fqn: str, shard_dim: int
     ) -> None:
         tp_mesh = param.device_mesh
-        root = dp_mesh._get_root_mesh()
-        if tp_mesh.ndim != 1:
+        if tp_mesh.ndim > 2:
             raise NotImplementedError(
                 f"fully_shard: parameter '{fqn}' is a DTensor on a {tp_mesh.ndim}-D mesh; "
-                f"composing with tensor parallelism supports a 1-D TP mesh."
+                f"composing with tensor/expert parallelism supports 1-D (TP or EP) and 2-D "
+                f"(EP x TP) meshes."
             )
-        # The TP dim must be the last dim of the data-parallel mesh's parent. Compared by
-        # ranks, not by the TP mesh's own parent: torch caches sub-meshes, so a mesh built
-        # again in the same process (a new model, a test repeated with another shape) can
-        # hand back a TP mesh whose recorded parent is an earlier, equal-ranked mesh.
-        names = tuple(root.mesh_dim_names or ())
-        dp_names = tuple(dp_mesh.mesh_dim_names or ())
-        if root.ndim != dp_mesh.ndim + 1 or root is dp_mesh or not names:
-            raise ValueError(
-                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh}, which is not the "
-                f"last dimension of the data-parallel mesh's parent ({root}). Slice both from "
-                f"one mesh with named dims: world = init_device_mesh(type, (dp, tp), "
-                f"mesh_dim_names=('dp', 'tp')); parallelize_module(..., world['tp'], ...); "
-                f"fully_shard(..., mesh=world['dp']) (HSDP: (replicate, shard, tp) and "
-                f"mesh=world['replicate', 'shard'])."
-            )
-        if names[: dp_mesh.ndim] != dp_names:
-            raise NotImplementedError(
-                f"fully_shard: parameter '{fqn}': the data-parallel dims must be the outer "
-                f"dims of the mesh, in order, and TP the last one, e.g. mesh_dim_names="
-                f"('dp', 'tp') or ('replicate', 'shard', 'tp'); got {names}."
-            )
-        tp_ranks = root[names[-1]].mesh.tolist()
-        if tp_mesh.mesh.tolist() != tp_ranks or tp_mesh.device_type != root.device_type:
-            raise ValueError(
-                f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh} (ranks "
-                f"{tp_mesh.mesh.tolist()}), but the last dim of the data-parallel mesh's "
-                f"parent {root} holds ranks {tp_ranks} here. Use that dim for TP: "
-                f"parallelize_module(..., world['{names[-1]}'], ...)."
-            )
-        (tp_placement,) = param.placements
-        if isinstance(tp_placement, Shard) and tp_placement.dim == shard_dim:
-            # dp splits each TP chunk of that dim again: a strided shard in DTensor's terms.
-            dp_placement: Any = _StridedShard(shard_dim, split_factor=tp_mesh.size())
-        else:
-            dp_placement = Shard(shard_dim)
+        spmd_mesh = _spmd_mesh(dp_mesh, tp_mesh, fqn)
+        # dp splits each TP chunk of the dim again when TP shards that dim too: a strided
+        # shard in DTensor's terms, with one split per TP chunk of the dim.
+        split = math.prod(
+            tp_mesh.size(i)
+            for i, placement in enumerate(param.placements)
+            if isinstance(placement, Shard) and placement.dim == shard_dim
+        )
+        dp_placement: Any = (
+            _StridedShard(shard_dim, split_factor=split) if split > 1 else Shard(shard_dim)
+        )
         self.tp_mesh = tp_mesh
-        self.tp_placements = (tp_placement,)
-        self.dtensor_mesh = root
-        # HSDP + TP: replicated over the outer dim, sharded over the middle one.
+        self.tp_placements = tuple(param.placements)
+        self.dtensor_mesh = spmd_mesh
+        # HSDP + TP: replicated over the outer dim, sharded over the next one.
         replicated = tuple(Replicate() for _ in range(dp_mesh.ndim - 1))
-        self.placements = (*replicated, dp_placement, tp_placement)
+        self.placements = (*replicated, dp_placement, *self.tp_placements)
 
     # -- sizes ---------------------------------------------------------------------------
     @property

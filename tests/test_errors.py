@@ -212,12 +212,12 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         parallelize_module(block, _mesh(), {"lin": ColwiseParallel()})  # its own 1-D mesh
         fsdp2.fully_shard(block, mesh=_mesh())
 
-    def tp_on_an_outer_dim() -> None:
+    def tp_meshes_overlap() -> None:
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-        world = init_device_mesh("cpu", (2, 1), mesh_dim_names=("tp", "dp"))
+        world = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         block = Block()
-        parallelize_module(block, world["tp"], {"lin": ColwiseParallel()})
+        parallelize_module(block, world["dp"], {"lin": ColwiseParallel()})  # TP on dp's ranks
         fsdp2.fully_shard(block, mesh=world["dp"])
 
     def plain_tensor_grad_on_sharded_param() -> None:
@@ -311,9 +311,9 @@ EXPECTED: dict[str, tuple[str, str]] = {
     ),
     "tp_mesh_outside_dp_parent": (
         "ValueError",
-        r"'lin\.weight' is a DTensor on .*not the last dimension of the data-parallel",
+        r"'lin\.weight' is a DTensor on .*needs both to be named slices of one mesh",
     ),
-    "tp_on_an_outer_dim": ("NotImplementedError", r"'lin\.weight'.*data-parallel dims must be"),
+    "tp_meshes_overlap": ("ValueError", r"'lin\.weight' is a DTensor on .*does not combine with"),
     "plain_tensor_grad_on_sharded_param": (
         "RuntimeError",
         r"parameter 'lin\.weight' has a Tensor gradient.*None or a DTensor",

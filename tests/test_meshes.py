@@ -544,12 +544,16 @@ def _tp_same_dim(param: torch.nn.Parameter):
 
 
 def _train_fsdp_tp(
-    impls: tuple[str, ...], dp_shape: tuple[int, ...] = (2,), placement_fn: str | None = None
+    impls: tuple[str, ...],
+    dp_shape: tuple[int, ...] = (2,),
+    placement_fn: str | None = None,
+    layout: str = "dp_tp",
 ) -> dict:
     """``dp_shape`` (dp, or HSDP's replicate x shard) x 2 (tp): TP inside each block, FSDP
     over dp, optionally with ``shard_placement_fn`` (the name of one above); SGD so that
     the comparison with the reference is not dominated by Adam's normalization of
-    near-zero gradients."""
+    near-zero gradients. ``layout``: the world mesh's dims, ``dp_tp``; ``pp_dp_tp`` (a
+    pipeline dim of size 1 in front, as in 3-D parallel set-ups); ``tp_dp`` (TP outer)."""
     shard_placement_fn = {"opposite": _tp_opposite_dim, "same": _tp_same_dim, None: None}[
         placement_fn
     ]
@@ -557,7 +561,12 @@ def _train_fsdp_tp(
 
     case = ParityCase(steps=3)
     dp_names = ("dp",) if len(dp_shape) == 1 else ("replicate", "shard")
-    world = init_device_mesh("cpu", (*dp_shape, 2), mesh_dim_names=(*dp_names, "tp"))
+    if layout == "pp_dp_tp":
+        world = init_device_mesh("cpu", (1, *dp_shape, 2), mesh_dim_names=("pp", *dp_names, "tp"))
+    elif layout == "tp_dp":
+        world = init_device_mesh("cpu", (2, *dp_shape), mesh_dim_names=("tp", *dp_names))
+    else:
+        world = init_device_mesh("cpu", (*dp_shape, 2), mesh_dim_names=(*dp_names, "tp"))
     dp_mesh = world[dp_names[0]] if len(dp_names) == 1 else world[dp_names]
     dp_rank = 0
     for dim in range(len(dp_shape)):  # this rank's data slice: row-major over the dp dims
@@ -623,6 +632,23 @@ def test_fsdp_with_tensor_parallel_2x2() -> None:
         counts = rep["collectives"]
         assert counts[("all_gather", 2)] >= N_GROUPS and counts[("reduce_scatter", 2)] == N_GROUPS
         assert counts[("all_gather", 4)] == 0 and counts[("reduce_scatter", 4)] == 0
+
+
+@pytest.mark.parametrize("layout", ["pp_dp_tp", "tp_dp"])
+def test_fsdp_with_tensor_parallel_on_a_larger_or_reordered_mesh(layout: str) -> None:
+    """The world mesh of 3-D parallel training, (pp, dp, tp), and a mesh with TP outer,
+    (tp, dp): the sharded DTensors live on the dp and tp dims of that mesh, with parity
+    and bitwise equal to torch. fsdp2 required the dp mesh's parent to be exactly
+    (dp, tp) and raised a ValueError (pp) or NotImplementedError (tp outer)."""
+    reports = run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"), (2,), None, layout)
+    for rank, rep in enumerate(reports):
+        for impl, diffs in rep["worst"].items():
+            assert max(diffs) <= TOL, f"rank {rank} {impl}: max diff {max(diffs):.3g}"
+        assert rep["bitwise_equal"], f"rank {rank}: fsdp2 and torch differ"
+        assert rep["mesh_ndim"] == 2
+        assert rep["placements"] == ["_StridedShard", "Shard"]
+        counts = rep["collectives"]
+        assert counts[("reduce_scatter", 2)] == N_GROUPS and counts[("all_gather", 4)] == 0
 
 
 @pytest.mark.parametrize(
@@ -742,3 +768,64 @@ def test_tensor_parallel_embedding_grads(impl: str) -> None:
     placements first."""
     for diff in run_ranks(_tp_embedding_grads, 4, impl):
         assert diff <= TOL, diff
+
+
+class _StackedExperts(torch.nn.Module):
+    """Stacked expert weights (experts, out, in) applied to every token, summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        w = self.w.full_tensor() if isinstance(self.w, DTensor) else self.w
+        return torch.einsum("eoi,bi->beo", w, x).sum(1)
+
+
+def _train_experts_on_2d_mesh() -> dict:
+    """Expert weights as DTensors on a 2-D (ep, etp) mesh, (Shard(0), Shard(2)), sharded
+    over dp: 3-D DTensor shards on (dp, ep, etp); gradients after two SGD steps."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "ep", "etp"))
+    torch.manual_seed(0)
+    ref = _StackedExperts()
+    models = {}
+    for impl in ("fsdp2", "torch"):
+        model = copy.deepcopy(ref)
+        weight = distribute_tensor(model.w.detach(), world["ep", "etp"], [Shard(0), Shard(2)])
+        model.w = torch.nn.Parameter(weight)
+        get_fully_shard(impl)(model, mesh=world["dp"])
+        models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    dp_rank = world["dp"].get_local_rank()
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        batch = torch.randn(4, 8)
+        for model, opt in models.values():
+            model(batch[2 * dp_rank : 2 * dp_rank + 2]).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        (ref(batch).pow(2).sum() / 2).backward()  # the mean over the 2 dp ranks' sums
+        ref_opt.step()
+        ref_opt.zero_grad()
+    weights = {impl: m.w.full_tensor() for impl, (m, _) in models.items()}
+    fsdp2_w = models["fsdp2"][0].w
+    return {
+        "diff": {impl: (w - ref.w).abs().max().item() for impl, w in weights.items()},
+        "bitwise_equal": torch.equal(weights["fsdp2"], weights["torch"]),
+        "placements": [repr(p) for p in fsdp2_w.placements],
+        "mesh": fsdp2_w.device_mesh.mesh_dim_names,
+    }
+
+
+def test_expert_weights_on_a_2d_mesh_sharded_over_dp() -> None:
+    """Expert parallel x expert TP parameters (a 2-D mesh) under FSDP: fsdp2 accepted
+    1-D TP meshes only (NotImplementedError)."""
+    for rep in run_ranks(_train_experts_on_2d_mesh, 4):
+        assert max(rep["diff"].values()) <= TOL, rep["diff"]
+        assert rep["bitwise_equal"]
+        assert rep["mesh"] == ("dp", "ep", "etp")
+        assert rep["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)", "Shard(dim=2)"]
