@@ -26,11 +26,11 @@ from fsdp2._init import (
     mark_managed,
     mesh_device,
     move_states_to_device,
+    placement_of,
     post_forward_group,
     reject_spmd_dtensors,
     resolve_dp_mesh_dims,
     resolve_mesh,
-    shard_dim_of,
     validate_modules,
     validate_reshard_after_forward,
     validate_shard_placement_fn,
@@ -103,7 +103,9 @@ def fully_shard(
         shard_placement_fn: ``fn(param) -> Shard(dim) | None`` picks each parameter's
             sharded dim (``None``: dim 0). Dims other than 0 need sizes divisible by the
             shard group size. Shards, gradients and unsharded parameters are contiguous,
-            as in torch (see docs/meshes.md).
+            as in torch. Returning torch's ``ShardPlacementResult(placement, mesh_info)``
+            shards that parameter over a mesh of its own (e.g. MoE experts); the call then
+            makes one group per mesh (see docs/meshes.md).
         mp_policy: all-gather, compute and reduce dtypes; see ``MixedPrecisionPolicy``.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients in CPU memory.
         ignored_params: parameters to leave unsharded and unmanaged.
@@ -131,38 +133,19 @@ def fully_shard(
     device = mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     found = collect_params(modules, ignored_params)
-    group = None
-    if found:
-        for param, _, fqn in found:
-            check_param_device(param, fqn, device)
-        # Trainable parameters first: the reduce-scatter then covers a prefix.
-        found.sort(key=lambda item: not item[0].requires_grad)
-        sharded: list[ShardedParam] = []
-        offset = 0
-        shard_size = mesh.size(mesh.ndim - 1)
-        for param, uses, fqn in found:
-            dim = shard_dim_of(shard_placement_fn, param, fqn, shard_size)
-            sp = ShardedParam(param, uses, fqn, mesh, offset, dim)
-            offset += sp.padded_numel
-            sharded.append(sp)
-        group = ParamGroup(
-            sharded,
-            [item[0] for item in found],
-            mesh,
-            device,
-            label,
-            mp_policy,
-            offload_policy,
-        )
-        # Mark the replaced originals too: another module may still hold one (a weight tied
-        # across groups), and sharding it again would silently untie the weights.
-        mark_managed([sp.sharded_param for sp in sharded] + [item[0] for item in found], label)
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            subgroup, index = post_forward_group(mesh, reshard_after_forward)
-            group.set_post_forward_group(subgroup, reshard_after_forward, index)
+    groups = _build_groups(
+        found,
+        mesh,
+        device,
+        label,
+        shard_placement_fn,
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+    )
     move_states_to_device(modules, device)
     state = FSDPState(
-        modules, group, mesh, device, reshard_after_forward, mp_policy, offload_policy
+        modules, groups, mesh, device, reshard_after_forward, mp_policy, offload_policy
     )
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
@@ -171,6 +154,79 @@ def fully_shard(
     # Each module's class is now an FSDPModule subclass (assigned just above).
     fsdp_modules = [cast(FSDPModule, m) for m in modules]
     return fsdp_modules if isinstance(module, (list, tuple)) else fsdp_modules[0]
+
+
+def _build_groups(
+    found: list[tuple[nn.Parameter, list[Any], str]],
+    mesh: DeviceMesh,
+    device: torch.device,
+    label: str,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    reshard_after_forward: bool | int | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> list[ParamGroup]:
+    """One ``ParamGroup`` per mesh the parameters are sharded over: ``mesh``, plus any
+    per-parameter mesh ``shard_placement_fn`` returns ([Note: per-parameter meshes] in
+    ``_state``), in the order of their first parameter."""
+    for param, _, fqn in found:
+        check_param_device(param, fqn, device)
+    by_mesh: dict[tuple[Any, ...], tuple[DeviceMesh, list[tuple[Any, ...]]]] = {}
+    resolved: dict[int, DeviceMesh] = {}
+    for param, uses, fqn in found:
+        dim, param_mesh = placement_of(shard_placement_fn, param, fqn, mesh, resolved)
+        key = _mesh_key(param_mesh)
+        if key not in by_mesh:
+            by_mesh[key] = (param_mesh, [])
+        by_mesh[key][1].append((param, uses, fqn, dim))
+    groups = []
+    for index, (group_mesh, members) in enumerate(by_mesh.values()):
+        if group_mesh.device_type != mesh.device_type:
+            raise ValueError(
+                f"fully_shard on {label}: a per-parameter mesh is on {group_mesh.device_type}, "
+                f"the module's mesh on {mesh.device_type}; use one device type."
+            )
+        # Trainable parameters first: the reduce-scatter then covers a prefix.
+        members.sort(key=lambda item: not item[0].requires_grad)
+        sharded: list[ShardedParam] = []
+        offset = 0
+        for param, uses, fqn, dim in members:
+            sp = ShardedParam(param, uses, fqn, group_mesh, offset, dim)
+            offset += sp.padded_numel
+            sharded.append(sp)
+        group_label = label
+        if len(by_mesh) > 1:
+            names = ", ".join(group_mesh.mesh_dim_names or ()) or f"group {index}"
+            group_label = f"{label} [{names}]"
+        group = ParamGroup(
+            sharded,
+            [item[0] for item in members],
+            group_mesh,
+            device,
+            group_label,
+            mp_policy,
+            offload_policy,
+        )
+        # Mark the replaced originals too: another module may still hold one (a weight tied
+        # across groups), and sharding it again would silently untie the weights.
+        mark_managed([sp.sharded_param for sp in sharded] + [item[0] for item in members], label)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            size = reshard_after_forward
+            if group_mesh is not mesh:
+                normalized = validate_reshard_after_forward(size, group_mesh)
+                size = 0 if normalized is True else int(normalized or 0)
+            if size > 1:
+                subgroup, rank_in_subgroup = post_forward_group(group_mesh, size)
+                group.set_post_forward_group(subgroup, size, rank_in_subgroup)
+        groups.append(group)
+    return groups
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[Any, ...]:
+    """Parameters sharded over the same process groups share one group."""
+    shard = mesh.get_group(mesh.ndim - 1)
+    replicate = mesh.get_group(0) if mesh.ndim == 2 else None
+    return (id(shard), id(replicate))
 
 
 def _fsdp_class(cls: type[nn.Module]) -> type:
@@ -184,11 +240,8 @@ def _fsdp_class(cls: type[nn.Module]) -> type:
     def forward(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
         # ``self`` is an FSDP<Name> instance: installed on that class only.
         state = self._fsdp_state
-        group = state.group
-        if (
-            group is not None
-            and not group.is_unsharded
-            and state.training_state is TrainingState.IDLE
+        if state.training_state is TrainingState.IDLE and any(
+            not group.is_unsharded for group in state.groups
         ):
             raise RuntimeError(
                 f"{type(self).__name__}.forward() was called directly, bypassing fully_shard's "
@@ -232,9 +285,8 @@ def _explain_sharded_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, *args, **kwargs)
         except RuntimeError as error:
-            state = getattr(self, "_fsdp_state", None)
-            group = getattr(state, "group", None)
-            if group is None or group.is_unsharded or "DTensor" not in str(error):
+            groups = getattr(getattr(self, "_fsdp_state", None), "groups", ())
+            if all(g.is_unsharded for g in groups) or "DTensor" not in str(error):
                 raise
             raise RuntimeError(
                 f"{type(self).__name__}.{method.__name__}() computed on sharded parameters: "
@@ -250,13 +302,13 @@ def _explain_sharded_errors(method: Callable[..., Any]) -> Callable[..., Any]:
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the unshard."""
 
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: tuple[ParamGroup, ...]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = ()
 
 
 class FSDPModule:
@@ -267,8 +319,7 @@ class FSDPModule:
     # -- parameters ------------------------------------------------------------------------
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones again."""
-        group = self._fsdp_state.group
-        if group is not None:
+        for group in self._fsdp_state.groups:
             group.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -276,15 +327,14 @@ class FSDPModule:
         ``wait()`` finishes the unshard; the next forward waits for it otherwise."""
         state = self._fsdp_state
         state.lazy_init()
-        group = state.group
-        if group is None:
-            return UnshardHandle(None) if async_op else None
         # Called by the user, possibly right after the optimizer step: gather only after
         # the compute stream's writes to the shards (a no-op on the CPU).
-        group.unshard(after_compute=True)
+        for group in state.groups:
+            group.unshard(after_compute=True)
         if async_op:
-            return UnshardHandle(group)
-        group.wait_for_unshard()
+            return UnshardHandle(state.groups)
+        for group in state.groups:
+            group.wait_for_unshard()
         return None
 
     # -- scheduling switches ---------------------------------------------------------------
@@ -301,15 +351,15 @@ class FSDPModule:
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         for state in self._states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+            for group in state.groups:
+                group.reshard_after_backward = reshard_after_backward
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         for state in self._states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+            for group in state.groups:
+                group.requires_gradient_sync = requires_gradient_sync
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's reduced gradients by ``factor`` instead of the number of
@@ -318,16 +368,14 @@ class FSDPModule:
             raise ValueError(
                 f"set_gradient_divide_factor expects a positive number, got {factor!r}."
             )
-        group = self._fsdp_state.group
-        if group is not None:
+        for group in self._fsdp_state.groups:
             group.gradient_divide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with a plain SUM collective (no AVG / pre-multiplied sum), for backends
         that support only SUM; gradients are still divided afterwards. This module's group
         only, like ``set_gradient_divide_factor``."""
-        group = self._fsdp_state.group
-        if group is not None:
+        for group in self._fsdp_state.groups:
             group.force_sum_reduction = enable
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -352,8 +400,8 @@ class FSDPModule:
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: whether to all-reduce across replicas (no effect on a 1-D mesh)."""
         for state in self._states(recurse):
-            if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+            for group in state.groups:
+                group.requires_all_reduce = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False`` leaves reductions in flight at the end of backward (microbatches that
@@ -374,8 +422,7 @@ class FSDPModule:
         mesh dimension. This module's own group only. ``stream``: run it there (accelerators only)."""
         if not callable(hook):
             raise ValueError(f"set_all_reduce_hook expects a callable, got {hook!r}.")
-        group = self._fsdp_state.group
-        if group is not None:
+        for group in self._fsdp_state.groups:
             group.all_reduce_hook = hook
             group.all_reduce_hook_stream = stream
 
@@ -485,8 +532,8 @@ class FSDPModule:
         the shards back into (new) flat buffers so the all-gather input stays one buffer."""
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         for state in self._states(recurse):
-            if state.group is not None:
-                state.group.ensure_shards_bound()
+            for group in state.groups:
+                group.ensure_shards_bound()
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:

@@ -236,20 +236,41 @@ def validate_shard_placement_fn(fn: Callable[[nn.Parameter], Any] | None) -> Non
         )
 
 
-def shard_dim_of(
-    fn: Callable[[nn.Parameter], Any] | None, param: nn.Parameter, fqn: str, shard_size: int
-) -> int:
-    """The tensor dim ``shard_placement_fn`` picks for ``param`` (0 by default)."""
-    if fn is None:
-        return 0
-    placement = fn(param)
+def placement_of(
+    fn: Callable[[nn.Parameter], Any] | None,
+    param: nn.Parameter,
+    fqn: str,
+    default_mesh: DeviceMesh,
+    meshes: dict[int, DeviceMesh],
+) -> tuple[int, DeviceMesh]:
+    """The tensor dim ``shard_placement_fn`` picks for ``param`` (0 by default) and the
+    mesh it is sharded over: ``default_mesh``, unless the function returns a per-parameter
+    mesh (torch's ``ShardPlacementResult(placement, mesh_info)``; see
+    [Note: per-parameter meshes]). ``meshes`` caches the mesh resolved for each mesh-info
+    object, so every parameter returning the same one lands in the same group."""
+    result = fn(param) if fn is not None else None
+    mesh = default_mesh
+    placement = result
+    if result is not None and not isinstance(result, Shard):
+        if not (hasattr(result, "placement") and hasattr(result, "mesh_info")):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned {result!r} for '{fqn}'; return "
+                f"Shard(dim), None (Shard(0)), or ShardPlacementResult(placement, mesh_info) "
+                f"for a mesh of its own."
+            )
+        placement = result.placement
+        info = result.mesh_info
+        if id(info) not in meshes:
+            meshes[id(info)] = mesh_of_info(info, fqn)
+        mesh = meshes[id(info)]
+        if placement is not None and not isinstance(placement, Shard):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned placement {placement!r} for "
+                f"'{fqn}'; use Shard(dim) or None (Shard(0))."
+            )
     if placement is None:
-        return 0
-    if not isinstance(placement, Shard):
-        raise TypeError(
-            f"fully_shard: shard_placement_fn returned {placement!r} for '{fqn}'; return "
-            f"Shard(dim) or None (Shard(0)). Per-parameter meshes are not supported yet."
-        )
+        return 0, mesh
+    shard_size = mesh.size(mesh.ndim - 1)
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
         raise ValueError(
@@ -262,7 +283,43 @@ def shard_dim_of(
             f"{param.shape[dim]} of dim {dim} to be divisible by the shard group size "
             f"{shard_size}; shard another dim or return None for Shard(0) (which pads)."
         )
-    return dim
+    return dim, mesh
+
+
+def mesh_of_info(info: Any, fqn: str) -> DeviceMesh:
+    """The 1-D (FSDP) or 2-D (replicate, shard: HSDP) mesh a per-parameter mesh info names:
+    torch's ``FSDPMeshInfo(mesh, shard_mesh_dim)`` or ``HSDPMeshInfo(mesh, shard_mesh_dim,
+    replicate_mesh_dim)`` (read by attribute: fsdp2 does not import torch's FSDP), or a
+    ``DeviceMesh`` itself."""
+    if isinstance(info, DeviceMesh):
+        return resolve_mesh(info)
+    mesh = getattr(info, "mesh", None)
+    shard = getattr(info, "shard_mesh_dim", None)
+    replicate = getattr(info, "replicate_mesh_dim", None)
+    if not isinstance(mesh, DeviceMesh) or not isinstance(shard, int):
+        raise TypeError(
+            f"fully_shard: shard_placement_fn returned a mesh_info of type "
+            f"{type(info).__name__} for '{fqn}'; expected torch's FSDPMeshInfo/HSDPMeshInfo "
+            f"(a mesh and its shard_mesh_dim) or a DeviceMesh."
+        )
+    if getattr(info, "dp_mesh_dims", None) is not None:
+        raise NotImplementedError(
+            f"fully_shard: the mesh_info for '{fqn}' uses dp_mesh_dims (torch's SPMD mode), "
+            f"which fsdp2 does not support; pass FSDPMeshInfo(mesh=<data-parallel mesh>, "
+            f"shard_mesh_dim=0)."
+        )
+    dims = (shard,) if replicate is None else (replicate, shard)
+    if dims == tuple(range(mesh.ndim)):
+        return resolve_mesh(mesh)
+    names = mesh.mesh_dim_names
+    if not names or (replicate is not None and replicate > shard):
+        raise NotImplementedError(
+            f"fully_shard: the mesh_info for '{fqn}' selects dims {dims} of a {mesh.ndim}-D "
+            f"mesh{'' if names else ' without dim names'}; pass the data-parallel submesh "
+            f"itself (1-D, or 2-D (replicate, shard)) as its mesh."
+        )
+    picked = tuple(names[d] for d in dims)
+    return resolve_mesh(mesh[picked] if len(picked) > 1 else mesh[picked[0]])
 
 
 def _sharded_subtree_roots(modules: tuple[nn.Module, ...]) -> set[int]:

@@ -85,14 +85,29 @@ class TreeContext:
         self.started = False
 
 
+# [Note: per-parameter meshes]
+# torch 2.13's ``shard_placement_fn`` may return ``ShardPlacementResult(placement,
+# mesh_info)``: that parameter is sharded over a mesh of its own, e.g. a MoE block's
+# experts over the expert-data-parallel ranks while its attention uses every
+# data-parallel rank. Parameters on different process groups cannot share a collective,
+# so one call then makes one ``ParamGroup`` per mesh, in the order of each mesh's first
+# parameter, and its state holds them all in ``groups``. The state stays the unit of
+# scheduling: every hook acts on all its groups at once (all-gathers issued back to back,
+# then waited for; one reduce-scatter per group in post-backward), prefetching a state
+# prefetches all of its groups, and the ``FSDPModule`` setters apply to each. Each group
+# keeps its own mesh facts: the default gradient divisor is its own data-parallel size
+# (as in torch), and an int ``reshard_after_forward`` that equals a group's shard size
+# reshards that group fully.
+
+
 class FSDPState:
-    """What one ``fully_shard`` call created: the group and the scheduling state of the
-    module (or list of modules) it was applied to."""
+    """What one ``fully_shard`` call created: its parameter groups (one per mesh, usually
+    one) and the scheduling state of the module (or list of modules) it was applied to."""
 
     def __init__(
         self,
         modules: tuple[nn.Module, ...],
-        group: ParamGroup | None,
+        groups: list[ParamGroup],
         mesh: DeviceMesh,
         device: torch.device,
         reshard_after_forward: bool | int | None,
@@ -100,7 +115,10 @@ class FSDPState:
         offload_policy: OffloadPolicy,
     ) -> None:
         self.modules = modules
-        self.group = group
+        # One per mesh its parameters are sharded over: usually one, or none (a module
+        # whose parameters all belong to submodules' calls); see [Note: per-parameter
+        # meshes].
+        self.groups = tuple(groups)
         self.mesh = mesh
         self.device = device
         self.reshard_after_forward_setting = reshard_after_forward
@@ -148,10 +166,10 @@ class FSDPState:
                 )
             )
             self._hook_handles.append(module.register_forward_hook(self._post_forward_hook))
-        if group is not None:
+        if self.groups:
             # state_dict()/load_state_dict() must see (and load into) the sharded DTensors,
             # even right after a forward that kept the parameters unsharded.
-            owners = {id(m): m for p in group.params for m, _ in p.uses}
+            owners = {id(m): m for g in self.groups for p in g.params for m, _ in p.uses}
             for owner in owners.values():
                 self._hook_handles += [
                     owner.register_state_dict_pre_hook(self._reshard_for_state_dict),
@@ -160,20 +178,42 @@ class FSDPState:
                     owner.register_load_state_dict_post_hook(self._adopt_loaded),
                 ]
 
+    @property
+    def group(self) -> ParamGroup | None:
+        """The state's only group (None without parameters). With per-parameter meshes
+        there are several: code that handles groups iterates ``groups``."""
+        if len(self.groups) > 1:
+            raise RuntimeError(
+                f"fully_shard: {self.label} has {len(self.groups)} parameter groups (per-"
+                f"parameter meshes from shard_placement_fn); use FSDPState.groups."
+            )
+        return self.groups[0] if self.groups else None
+
     def _adopt_loaded(self, *_: Any) -> None:
-        if self.group is not None:
-            self.group.ensure_shards_bound()
+        for group in self.groups:
+            group.ensure_shards_bound()
 
     def _reshard_for_state_dict(self, *_: Any) -> None:
-        group = self.group
-        if group is not None and (group.is_unsharded or group.unshard_pending):
-            group.reshard()
+        for group in self.groups:
+            if group.is_unsharded or group.unshard_pending:
+                group.reshard()
+
+    def _gathered(self) -> bool:
+        """Some group is unsharded or being all-gathered."""
+        return any(g.is_unsharded or g.unshard_pending for g in self.groups)
+
+    def _unshard_and_wait(self) -> None:
+        for group in self.groups:
+            if not group.is_unsharded:
+                group.unshard()
+        for group in self.groups:
+            group.wait_for_unshard()
 
     # -- naming --------------------------------------------------------------------------
     @property
     def label(self) -> str:
         names = ", ".join(type(m).__name__ for m in self.modules)
-        return self.group.label if self.group is not None else names
+        return self.groups[0].label.split(" [")[0] if self.groups else names
 
     # -- lazy init -----------------------------------------------------------------------
     def lazy_init(self) -> TreeContext:
@@ -210,11 +250,11 @@ class FSDPState:
                 # The root's parameters are needed again at the very start of backward.
                 state.reshard_after_forward = state is not self
         for state in states:
-            group = state.group
-            if group is not None and group.comm is not None:
-                group.comm = tree.comm  # initialized under a submodule's unshard() already
-            elif group is not None:
-                group.lazy_init(tree.comm)
+            for group in state.groups:
+                if group.comm is not None:
+                    group.comm = tree.comm  # initialized under a submodule's unshard() already
+                else:
+                    group.lazy_init(tree.comm)
         return tree
 
     @property
@@ -256,10 +296,8 @@ class FSDPState:
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
-        group = self.group
-        if group is not None and not group.is_unsharded:
-            group.unshard()
-            group.wait_for_unshard()
+        if any(not g.is_unsharded for g in self.groups):
+            self._unshard_and_wait()
         if torch.is_grad_enabled():
             args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs
@@ -280,12 +318,12 @@ class FSDPState:
         """Reshard if configured (always without grad: no backward will need the
         parameters), record the forward order and arm the pre-backward trigger on
         ``output``."""
-        group = self.group
         grad_enabled = torch.is_grad_enabled()
-        if group is not None:
+        if self.groups:
             logger.debug("FSDP::post_forward (%s)", self.fqn)
             if self.reshard_after_forward or not grad_enabled:
-                group.reshard(post_forward=grad_enabled)
+                for group in self.groups:
+                    group.reshard(post_forward=grad_enabled)
         self.training_state = TrainingState.IDLE
         if not grad_enabled:
             return output
@@ -301,16 +339,14 @@ class FSDPState:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tree = self.lazy_init()
-        group = self.group
+        groups = self.groups
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         if tree.in_backward:
             # Activation checkpointing recomputes this forward inside backward.
             self.training_state = TrainingState.FORWARD
-            if group is not None:
-                group.unshard()
-                group.wait_for_unshard()
+            self._unshard_and_wait()
             # Reentrant checkpointing ran the original forward without grad, so only the
             # recomputation builds the graph this module's backward runs on.
             self._recompute_registers_backward = (
@@ -322,20 +358,23 @@ class FSDPState:
             return args, kwargs
         if self.is_root:
             self._root_pre_forward()
-        elif group is not None and tree.root.training_state is not TrainingState.FORWARD:
+        elif groups and tree.root.training_state is not TrainingState.FORWARD:
             # Called directly, not inside the root's forward: the root's check of stale
             # unsharded parameters did not run for this step ([Note: stale unsharded
             # parameters]).
-            group.reshard_if_stale()
+            for group in groups:
+                group.reshard_if_stale()
         self.training_state = TrainingState.FORWARD
         self._claims_this_forward = 0
-        if group is not None:
+        if groups:
             logger.debug("FSDP::pre_forward (%s)", self.fqn)
-            group.unshard()
+            for group in groups:
+                group.unshard()
             for target in self.forward_prefetch or ():
-                if target.group is not None:
-                    target.group.unshard()
-            group.wait_for_unshard()
+                for target_group in target.groups:
+                    target_group.unshard()
+            for group in groups:
+                group.wait_for_unshard()
         if torch.is_grad_enabled():
             args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs
@@ -359,8 +398,8 @@ class FSDPState:
         # Groups left unsharded by a forward without backward (or by unshard()) whose shards
         # the optimizer updated since: gather again ([Note: stale unsharded parameters]).
         for state in tree.states:
-            if state.group is not None:
-                state.group.reshard_if_stale()
+            for group in state.groups:
+                group.reshard_if_stale()
         comm = tree.comm
         comm.host_buffers.max_buffers = 2  # see [Note: host buffer pool]
         if self.post_optim_event is not None:
@@ -399,7 +438,7 @@ class FSDPState:
         node: an extra node changes the order in which autograd sums the gradients of a
         tensor used several times, so the same model would round differently than torch's
         ``fully_shard`` (which adds none there) and than the non-sharded model."""
-        if self.group is None:
+        if not self.groups:
             return args, kwargs
         self._pending_backward_calls += 1
         attached = self._claims_this_forward
@@ -457,11 +496,9 @@ class FSDPState:
             tree.parked.clear()
         self._reduced_early = False  # gathered again: its gradients are owed once more
         self.training_state = TrainingState.PRE_BACKWARD
-        group = self.group
-        if group is not None:
+        if self.groups:
             logger.debug("FSDP::pre_backward (%s)", self.fqn)
-            group.unshard()
-            group.wait_for_unshard()
+            self._unshard_and_wait()
         self._prefetch_for_backward()
         # A buffer the prefetch did not take would sit idle through this block's
         # backward, where memory peaks: see [Note: host buffer pool].
@@ -481,12 +518,9 @@ class FSDPState:
                 previous -= 1
             targets = [tree.forward_order[previous]] if previous >= 0 else []
         for target in targets:
-            if (
-                target.group is not None
-                and target._pending_backward_calls > 0
-                and target.unshard_in_backward
-            ):
-                target.group.unshard()
+            if target._pending_backward_calls > 0 and target.unshard_in_backward:
+                for target_group in target.groups:
+                    target_group.unshard()
 
     def post_backward(self) -> None:
         """Reduce this group's gradients and reshard, once the backward of every forward
@@ -523,9 +557,9 @@ class FSDPState:
 
     def _reduce_and_reshard(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
-        group = self.group
-        if group is not None:
+        if self.groups:
             logger.debug("FSDP::post_backward (%s)", self.fqn)
+        for group in self.groups:
             if group.unshard_pending:
                 group.wait_for_unshard()
             # Reshard first: the gradients are separate tensors, so the unsharded
@@ -546,16 +580,16 @@ class FSDPState:
             raise AssertionError("final callback before lazy init")
         logger.debug("FSDP::root_post_backward")
         for state in tree.states:
-            group = state.group
-            gathered = group is not None and (group.is_unsharded or group.unshard_pending)
+            gathered = state._gathered()
             if state._reduced_early and not state._post_backward_done:
                 state._pending_backward_calls = 0  # as if reduced here, which it was
-                if group is not None and gathered and group.reshard_after_backward:
-                    group.reshard()
+                state._reshard_after_backward()
             elif (
                 state._pending_backward_calls > 0
                 or (gathered and not state._post_backward_done)
-                or (state._had_untracked_call and group is not None and group.has_unsharded_grads())
+                or (
+                    state._had_untracked_call and any(g.has_unsharded_grads() for g in state.groups)
+                )
             ):
                 # The last case: gradients accumulated after the group's post-backward,
                 # by a call whose backward came later and has no post-backward node (its
@@ -565,10 +599,10 @@ class FSDPState:
                 # summed both uses, after the earlier post-backward ran. They are owed.
                 state._pending_backward_calls = 1
                 state.post_backward()
-            elif group is not None and gathered and group.reshard_after_backward:
+            elif gathered:
                 # Gathered again after its post-backward (a backward prefetch nothing
                 # used): free it; its gradients were reduced already.
-                group.reshard()
+                state._reshard_after_backward()
             state._post_backward_done = False
             state._reduced_early = False
             state._open_claims = 0
@@ -587,6 +621,12 @@ class FSDPState:
         tree.in_backward = False
         tree.callback_queued = False
 
+    def _reshard_after_backward(self) -> None:
+        """Free the gathered groups that reshard after backward."""
+        for group in self.groups:
+            if group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
+                group.reshard()
+
     def reduce_unsynced_grads(self) -> None:
         """Outside any backward: reduce-scatter the gradients that backwards without
         gradient sync accumulated, and reshard, for every group of this tree; then, if this
@@ -602,13 +642,10 @@ class FSDPState:
         if tree is None:  # no forward yet: nothing to reduce
             return
         for state in tree.states:
-            group = state.group
-            if group is None:
-                continue
-            if group.grads_unsynced and group.requires_gradient_sync:
+            if any(g.grads_unsynced and g.requires_gradient_sync for g in state.groups):
                 state._reduce_and_reshard()
-            elif group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
-                group.reshard()
+            else:
+                state._reshard_after_backward()
         if self.is_last_backward:
             tree.comm.finish_reduces(keep=0)
             streams = tree.comm.streams
@@ -630,10 +667,10 @@ class FSDPState:
             state._untracked_calls = 0
             state._backward_epoch += 1
             state._modules_to_run.clear()
-            if state.group is not None:
-                state.group.reshard()
-                state.group.grads_unsynced = False
-                for p in state.group.params:
+            for group in state.groups:
+                group.reshard()
+                group.grads_unsynced = False
+                for p in group.params:
                     p.accumulated_grad = None
                     if p.unsharded_param is not None:
                         p.unsharded_param.grad = None

@@ -136,6 +136,12 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def placement_not_shard() -> None:
         fsdp2.fully_shard(Block(), mesh=_mesh(), shard_placement_fn=lambda p: Replicate())
 
+    def placement_result_without_a_mesh() -> None:
+        from types import SimpleNamespace
+
+        result = SimpleNamespace(placement=Shard(0), mesh_info="dp")
+        fsdp2.fully_shard(Block(), mesh=_mesh(), shard_placement_fn=lambda p: result)
+
     def placement_dim_out_of_range() -> None:
         fsdp2.fully_shard(Block(), mesh=_mesh(), shard_placement_fn=lambda p: Shard(p.dim()))
 
@@ -283,6 +289,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "placement_not_shard": (
         "TypeError",
         r"shard_placement_fn returned Replicate\(\) for 'lin\.weight'",
+    ),
+    "placement_result_without_a_mesh": (
+        "TypeError",
+        r"returned a mesh_info of type str for 'lin\.weight'.*FSDPMeshInfo",
     ),
     "placement_dim_out_of_range": ("ValueError", r"Shard\(2\) for 'lin\.weight'.*must be in"),
     "placement_uneven_dim": ("ValueError", r"Shard\(1\) for 'weight' of shape \(4, 3\).*divisible"),

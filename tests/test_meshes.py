@@ -829,3 +829,123 @@ def test_expert_weights_on_a_2d_mesh_sharded_over_dp() -> None:
         assert rep["bitwise_equal"]
         assert rep["mesh"] == ("dp", "ep", "etp")
         assert rep["placements"] == ["_StridedShard(dim=0, sf=2)", "Shard(dim=0)", "Shard(dim=2)"]
+
+
+class _MoEBlock(torch.nn.Module):
+    """A dense projection, then stacked experts (a weight per expert, each applied to
+    every token and summed: a stand-in for routing that needs no all-to-all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.experts = _StackedExperts()
+        with torch.no_grad():
+            self.experts.w.mul_(0.1)
+        self.out = torch.nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.experts(torch.relu(self.proj(x)))) + x
+
+
+def _per_param_mesh_placement(experts: torch.nn.Module, mesh_info: Any, dp_info: Any):
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    expert_params = set(experts.parameters())
+
+    def placement(param: torch.nn.Parameter) -> Any:
+        if param in expert_params:
+            return ShardPlacementResult(placement=Shard(0), mesh_info=mesh_info)
+        return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
+
+    return placement
+
+
+def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
+    """Blocks whose experts are sharded over another mesh than the rest, in one
+    ``fully_shard`` call per block, as torchtitan shards MoE blocks with torch 2.13:
+    ``ep``: experts are DTensors on ``ep`` (Shard(0)), FSDP over ``edp``, the rest over all
+    4 ranks (each edp pair of ranks sees one batch, as expert parallelism would route
+    it); ``hsdp``: plain experts, HSDP over (edp, ep), the rest FSDP over all 4 ranks.
+    Three SGD steps, parity with the non-sharded model and bitwise with torch."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    dp_info = FSDPMeshInfo(mesh=dp_mesh, shard_mesh_dim=0)
+    if kind == "ep":
+        expert_info: Any = FSDPMeshInfo(mesh=world["edp"], shard_mesh_dim=0)
+    else:
+        expert_info = HSDPMeshInfo(mesh=world, shard_mesh_dim=1, replicate_mesh_dim=0)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(_MoEBlock(), _MoEBlock(), torch.nn.Linear(8, 8))
+    models = {}
+    for impl in ("fsdp2", "torch"):
+        model = copy.deepcopy(ref)
+        for block in model[:2]:
+            if kind == "ep":
+                weight = distribute_tensor(block.experts.w.detach(), world["ep"], [Shard(0)])
+                block.experts.w = torch.nn.Parameter(weight)
+            get_fully_shard(impl)(
+                block,
+                mesh=dp_mesh,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=_per_param_mesh_placement(block.experts, expert_info, dp_info),
+            )
+        get_fully_shard(impl)(model, mesh=dp_mesh)
+        models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.05))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    rank = dist.get_rank()
+    batch_of_rank = rank // 2 if kind == "ep" else rank  # ep: ranks 2i, 2i+1 share batch i
+    log: list[tuple[str, int]] = []
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        batches = torch.randn(4, 2, 8)
+        used = [batches[b // 2 if kind == "ep" else b] for b in range(4)]
+        for impl, (model, opt) in models.items():
+            if impl == "fsdp2" and step == 2:
+                _record_collectives(log)
+            model(batches[batch_of_rank]).pow(2).sum().backward()
+            _restore_collectives()
+            opt.step()
+            opt.zero_grad()
+        (sum(ref(b).pow(2).sum() for b in used) / 4).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    params = {impl: [p.full_tensor() for p in m.parameters()] for impl, (m, _) in models.items()}
+    state = models["fsdp2"][0][0]._fsdp_state
+    return {
+        "diff": {impl: compare_params(ref, m)[1] for impl, (m, _) in models.items()},
+        "bitwise_equal": all(torch.equal(a, b) for a, b in zip(*params.values())),
+        "groups": [g.world_size * g.replicate_size for g in state.groups],
+        "expert_mesh": models["fsdp2"][0][0].experts.w.device_mesh.mesh_dim_names,
+        "collectives": collections.Counter(log),
+    }
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False, 2], ids=["raf", "noraf", "raf2"])
+@pytest.mark.parametrize("kind", ["ep", "hsdp"])
+def test_per_parameter_meshes_from_shard_placement_fn(
+    kind: str, reshard_after_forward: bool | int
+) -> None:
+    """torch 2.13's ``ShardPlacementResult(placement, mesh_info)``: one ``fully_shard``
+    call makes one group per mesh (experts on their own). fsdp2 raised TypeError."""
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        pytest.skip("this torch has no per-parameter meshes")
+    for rep in run_ranks(_train_per_param_mesh, 4, kind, reshard_after_forward):
+        assert max(rep["diff"].values()) <= TOL, rep["diff"]
+        assert rep["bitwise_equal"]
+        assert rep["groups"] == [4, 2] if kind == "ep" else [4, 4], rep["groups"]
+        counts = rep["collectives"]
+        if kind == "ep":
+            assert rep["expert_mesh"] == ("edp", "ep")
+            # Per step: one reduce-scatter per block over all 4 ranks (dense) and one over
+            # each edp pair (experts); the root's over all 4.
+            assert counts[("reduce_scatter", 4)] == 3 and counts[("reduce_scatter", 2)] == 2
+        else:
+            assert counts[("reduce_scatter", 4)] == 3 and counts[("reduce_scatter", 2)] == 2
+            assert counts[("all_reduce", 2)] == 2  # the experts' HSDP replicas
