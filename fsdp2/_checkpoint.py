@@ -78,11 +78,15 @@ def _check_module(module: Any, caller: str) -> None:
         raise TypeError(f"{caller}(module=...) expects an nn.Module, got {type(module).__name__}.")
 
 
-def _first_mesh(tensors: Iterable[Any]) -> DeviceMesh | None:
+def _model_mesh(tensors: Iterable[Any]) -> DeviceMesh | None:
+    """The mesh spanning the model's ranks: the largest ``DTensor`` mesh (the first one
+    among equals). Per-parameter meshes (MoE experts over a subset of the data-parallel
+    ranks) are smaller than the module's mesh, whichever parameter comes first."""
+    best: DeviceMesh | None = None
     for t in tensors:
-        if isinstance(t, DTensor):
-            return t.device_mesh
-    return None
+        if isinstance(t, DTensor) and (best is None or t.device_mesh.size() > best.size()):
+            best = t.device_mesh
+    return best
 
 
 def _mesh_device(mesh: DeviceMesh | None) -> torch.device:
@@ -179,7 +183,7 @@ def _materialize(module: nn.Module, device: torch.device | str | None) -> None:
     if not on_meta:
         return
     if device is None:
-        device = _mesh_device(_first_mesh(params))
+        device = _mesh_device(_model_mesh(params))
     module.to_empty(device=device)
 
 
@@ -367,7 +371,7 @@ def load_full_state_dict(
     _reshard_all(module)
     _materialize(module, None)  # built on the meta device: the shards need storage first
     targets = module.state_dict(keep_vars=True)
-    mesh = _first_mesh(targets.values())
+    mesh = _model_mesh(targets.values())
     group, src = _mesh_comm(mesh)
     device = _mesh_device(mesh)
     is_src = dist.get_rank() == src
@@ -421,7 +425,7 @@ def get_full_state_dict(
     _check_module(module, "get_full_state_dict")
     _reshard_all(module)
     targets = module.state_dict(keep_vars=True)
-    mesh = _first_mesh(targets.values())
+    mesh = _model_mesh(targets.values())
     _, src = _mesh_comm(mesh)
     keep = not rank0_only or dist.get_rank() == src
     out: dict[str, Any] = {}

@@ -837,10 +837,12 @@ class _MoEBlock(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
+        # Registered first: the experts' (smaller) mesh comes first in the call's groups
+        # and in state dicts.
         self.experts = _StackedExperts()
         with torch.no_grad():
             self.experts.w.mul_(0.1)
+        self.proj = torch.nn.Linear(8, 8)
         self.out = torch.nn.Linear(6, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -866,7 +868,9 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
     ``fully_shard`` call per block, as torchtitan shards MoE blocks with torch 2.13:
     ``ep``: experts are DTensors on ``ep`` (Shard(0)), FSDP over ``edp``, the rest over all
     4 ranks (each edp pair of ranks sees one batch, as expert parallelism would route
-    it); ``hsdp``: plain experts, HSDP over (edp, ep), the rest FSDP over all 4 ranks.
+    it); ``subset``: plain experts, FSDP over ``edp`` only (batches shared as for ``ep``,
+    so the experts' gradients agree across ``ep``); ``hsdp``: plain experts, HSDP over
+    (edp, ep), the rest FSDP over all 4 ranks.
     Three SGD steps, parity with the non-sharded model and bitwise with torch."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -874,35 +878,37 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     dp_info = FSDPMeshInfo(mesh=dp_mesh, shard_mesh_dim=0)
-    if kind == "ep":
+    if kind in ("ep", "subset"):
         expert_info: Any = FSDPMeshInfo(mesh=world["edp"], shard_mesh_dim=0)
     else:
         expert_info = HSDPMeshInfo(mesh=world, shard_mesh_dim=1, replicate_mesh_dim=0)
     torch.manual_seed(0)
     ref = torch.nn.Sequential(_MoEBlock(), _MoEBlock(), torch.nn.Linear(8, 8))
     models = {}
-    for impl in ("fsdp2", "torch"):
+    for impl in ("fsdp2", "torch", "fsdp2-loaded"):
         model = copy.deepcopy(ref)
         for block in model[:2]:
             if kind == "ep":
                 weight = distribute_tensor(block.experts.w.detach(), world["ep"], [Shard(0)])
                 block.experts.w = torch.nn.Parameter(weight)
-            get_fully_shard(impl)(
+            get_fully_shard(impl.split("-")[0])(
                 block,
                 mesh=dp_mesh,
                 reshard_after_forward=reshard_after_forward,
                 shard_placement_fn=_per_param_mesh_placement(block.experts, expert_info, dp_info),
             )
-        get_fully_shard(impl)(model, mesh=dp_mesh)
+        get_fully_shard(impl.split("-")[0])(model, mesh=dp_mesh)
         models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.05))
+    loaded = models.pop("fsdp2-loaded")[0]  # gets the trained weights from rank 0 below
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     rank = dist.get_rank()
-    batch_of_rank = rank // 2 if kind == "ep" else rank  # ep: ranks 2i, 2i+1 share batch i
+    shared = kind in ("ep", "subset")
+    batch_of_rank = rank // 2 if shared else rank  # ranks 2i, 2i+1 share batch i
     log: list[tuple[str, int]] = []
     for step in range(3):
         torch.manual_seed(10 + step)
         batches = torch.randn(4, 2, 8)
-        used = [batches[b // 2 if kind == "ep" else b] for b in range(4)]
+        used = [batches[b // 2 if shared else b] for b in range(4)]
         for impl, (model, opt) in models.items():
             if impl == "fsdp2" and step == 2:
                 _record_collectives(log)
@@ -915,8 +921,13 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
         ref_opt.zero_grad()
     params = {impl: [p.full_tensor() for p in m.parameters()] for impl, (m, _) in models.items()}
     state = models["fsdp2"][0][0]._fsdp_state
+    from fsdp2 import get_full_state_dict, load_full_state_dict
+
+    full = get_full_state_dict(models["fsdp2"][0])  # on rank 0 only
+    load_full_state_dict(loaded, full if rank == 0 else {})
     return {
         "diff": {impl: compare_params(ref, m)[1] for impl, (m, _) in models.items()},
+        "loaded_diff": compare_params(ref, loaded)[1],
         "bitwise_equal": all(torch.equal(a, b) for a, b in zip(*params.values())),
         "groups": [g.world_size * g.replicate_size for g in state.groups],
         "expert_mesh": models["fsdp2"][0][0].experts.w.device_mesh.mesh_dim_names,
@@ -925,7 +936,7 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False, 2], ids=["raf", "noraf", "raf2"])
-@pytest.mark.parametrize("kind", ["ep", "hsdp"])
+@pytest.mark.parametrize("kind", ["ep", "subset", "hsdp"])
 def test_per_parameter_meshes_from_shard_placement_fn(
     kind: str, reshard_after_forward: bool | int
 ) -> None:
@@ -938,11 +949,12 @@ def test_per_parameter_meshes_from_shard_placement_fn(
         pytest.skip("this torch has no per-parameter meshes")
     for rep in run_ranks(_train_per_param_mesh, 4, kind, reshard_after_forward):
         assert max(rep["diff"].values()) <= TOL, rep["diff"]
+        assert rep["loaded_diff"] <= TOL, rep["loaded_diff"]
         assert rep["bitwise_equal"]
-        assert rep["groups"] == [4, 2] if kind == "ep" else [4, 4], rep["groups"]
+        assert rep["groups"] == ([4, 4] if kind == "hsdp" else [2, 4]), rep["groups"]
         counts = rep["collectives"]
-        if kind == "ep":
-            assert rep["expert_mesh"] == ("edp", "ep")
+        if kind != "hsdp":
+            assert rep["expert_mesh"] == (("edp", "ep") if kind == "ep" else ("edp",))
             # Per step: one reduce-scatter per block over all 4 ranks (dense) and one over
             # each edp pair (experts); the root's over all 4.
             assert counts[("reduce_scatter", 4)] == 3 and counts[("reduce_scatter", 2)] == 2
