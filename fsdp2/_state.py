@@ -115,6 +115,7 @@ class FSDPState:
         offload_policy: OffloadPolicy,
     ) -> None:
         self.modules = modules
+        self._label = ", ".join(type(m).__name__ for m in modules)  # before FSDP<Name>
         # One per mesh its parameters are sharded over: usually one, or none (a module
         # whose parameters all belong to submodules' calls); see [Note: per-parameter
         # meshes].
@@ -212,8 +213,8 @@ class FSDPState:
     # -- naming --------------------------------------------------------------------------
     @property
     def label(self) -> str:
-        names = ", ".join(type(m).__name__ for m in self.modules)
-        return self.groups[0].label.split(" [")[0] if self.groups else names
+        """The sharded module classes (their own names, before ``FSDP<Name>``)."""
+        return self._label
 
     # -- lazy init -----------------------------------------------------------------------
     def lazy_init(self) -> TreeContext:
