@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -489,12 +490,26 @@ class FSDPModule:
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        if enable:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_separate_reduce_scatter_group(True) is not "
-                f"supported by fsdp2 yet: all-gathers and reduce-scatters share the mesh's "
-                f"process group (on separate streams)."
-            )
+        """Give the gradient reduce-scatters a process group of their own (the same
+        ranks as the shard group), so a reduce-scatter can progress while the next
+        all-gather does, on backends that run one collective at a time per group (NCCL's
+        communicator, gloo's context). ``False`` goes back to the shared group. Creating
+        a group is collective among its ranks: call it on every rank, like
+        ``fully_shard``. Groups over the same ranks share one new group."""
+        if not isinstance(enable, bool):
+            raise ValueError(f"set_separate_reduce_scatter_group expects a bool, got {enable!r}.")
+        created: dict[tuple[int, ...], Any] = {}
+        for state in self._states(recurse):
+            for group in state.groups:
+                if not enable:
+                    group.reduce_scatter_group = None
+                    continue
+                ranks = tuple(dist.get_process_group_ranks(group.process_group))
+                if ranks not in created:
+                    created[ranks] = group.reduce_scatter_group or dist.new_group(
+                        list(ranks), use_local_synchronization=True
+                    )
+                group.reduce_scatter_group = created[ranks]
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """torch's private switch, called by some training recipes: issue the pre-forward and

@@ -98,6 +98,9 @@ class GradientReduction:
     mixed: bool
     world_size: int
     process_group: ProcessGroup
+    # set_separate_reduce_scatter_group: a process group of the same ranks for the
+    # reduce-scatters alone, so they can progress while the next all-gather does.
+    reduce_scatter_group: ProcessGroup | None
     replicate_group: ProcessGroup | None
     replicate_size: int
     reduce_dtype: torch.dtype | None
@@ -203,7 +206,8 @@ class GradientReduction:
             return
         with use_stream(stream):
             rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
-            pending = reduce_scatter_flat(rs_output, rs_input, self.process_group, stream)
+            group = self.reduce_scatter_group or self.process_group
+            pending = reduce_scatter_flat(rs_output, rs_input, group, stream)
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None

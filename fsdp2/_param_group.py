@@ -159,6 +159,7 @@ class ParamGroup(GradientReduction):
         # HSDP (2-D mesh): shard over the last dim, replicate over the first.
         shard_dim = mesh.ndim - 1
         self.process_group = mesh.get_group(shard_dim)
+        self.reduce_scatter_group: Any = None  # set_separate_reduce_scatter_group
         self.world_size = mesh.size(shard_dim)
         self.shard_rank = mesh.get_local_rank(shard_dim)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None

@@ -182,6 +182,7 @@ class Call:
     out_bytes: int
     op: str = ""
     flags: int = 0  # fsdp2's padded "had a gradient" flags at the end of an RS chunk
+    process_group: Any = None  # the ``group`` argument (None: the default group)
 
 
 # fsdp2 appends one flag per parameter to each rank's reduce-scatter chunk, zero-padded to a
@@ -262,6 +263,7 @@ class CollectiveLog:
                     out.numel() * out.element_size(),
                     "" if op is None else str(op),
                     flags,
+                    bound.arguments.get("group"),
                 )
             )
             _mark(f"{kind}:{group}")

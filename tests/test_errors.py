@@ -190,8 +190,8 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def custom_reduce_scatter() -> None:
         _sharded_root().set_custom_reduce_scatter(object())
 
-    def separate_reduce_scatter_group() -> None:
-        _sharded_root().set_separate_reduce_scatter_group(True)
+    def separate_reduce_scatter_group_not_bool() -> None:
+        _sharded_root().set_separate_reduce_scatter_group(1)  # type: ignore[arg-type]
 
     def symm_mem_for_comm() -> None:
         _sharded_root().set_symm_mem_for_comm()
@@ -312,7 +312,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "register_method_missing": ("ValueError", r"FSDPBlock has no method named 'sample'"),
     "custom_all_gather": ("NotImplementedError", r"FSDPRoot\.set_custom_all_gather"),
     "custom_reduce_scatter": ("NotImplementedError", r"FSDPRoot\.set_custom_reduce_scatter"),
-    "separate_reduce_scatter_group": ("NotImplementedError", r"set_separate_reduce_scatter_group"),
+    "separate_reduce_scatter_group_not_bool": (
+        "ValueError",
+        r"set_separate_reduce_scatter_group expects a bool, got 1",
+    ),
     "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
     "process_group_allocated_buffers": ("NotImplementedError", r"backend-allocated"),
     "all_gather_extension": (
