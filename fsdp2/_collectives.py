@@ -48,10 +48,16 @@ def _issue(stream: Stream, call: Any, *args: Any, **kwargs: Any) -> PendingColle
 
 
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, stream: Stream
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    stream: Stream,
+    custom: Any = None,
 ) -> PendingCollective:
-    """Gather every rank's equal-sized 1-D ``input`` into ``output``, rank-major."""
-    call = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    """Gather every rank's equal-sized 1-D ``input`` into ``output``, rank-major.
+    ``custom``: a callable ``(output, input, group, async_op)`` to use instead (torch's
+    ``AllGather``)."""
+    call = custom or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return _issue(stream, call, output, input, group=group)
 
 
@@ -61,10 +67,12 @@ def reduce_scatter_flat(
     group: dist.ProcessGroup,
     stream: Stream,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    custom: Any = None,
 ) -> PendingCollective:
     """Sum ``input`` (rank-major, ``world_size * output.numel()``) over ranks, scattering
-    chunk ``rank`` into ``output``."""
-    call = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    chunk ``rank`` into ``output``. ``custom``: a callable ``(output, input, group, op,
+    async_op)`` to use instead (torch's ``ReduceScatter``)."""
+    call = custom or getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return _issue(stream, call, output, input, op=op, group=group)
 
 

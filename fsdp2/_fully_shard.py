@@ -466,18 +466,23 @@ class FSDPModule:
             )
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__}.set_custom_all_gather: custom all-gather implementations "
-            f"are not supported by fsdp2 yet; fsdp2 calls torch.distributed's all-gather, "
-            f"which you can patch for the whole process instead."
-        )
+        """Issue this module's all-gathers with ``comm``, torch's ``AllGather``:
+        ``comm.allocate(size, dtype=, device=)`` makes the output buffer and
+        ``comm(output, input, group=, async_op=)`` runs the collective (e.g. on symmetric
+        memory). fsdp2 then copies the output into the unsharded parameters, also where
+        it would otherwise gather into them in place. This module's groups only."""
+        _check_comm(comm, "set_custom_all_gather", self)
+        for group in self._fsdp_state.groups:
+            group.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__}.set_custom_reduce_scatter: custom reduce-scatter "
-            f"implementations are not supported by fsdp2 yet; use set_all_reduce_hook to "
-            f"post-process the reduced gradient shard."
-        )
+        """Issue this module's gradient reduce-scatters with ``comm``, torch's
+        ``ReduceScatter``: ``comm.allocate`` makes the input and output buffers and
+        ``comm(output, input, group=, op=, async_op=)`` runs the collective. This
+        module's groups only."""
+        _check_comm(comm, "set_custom_reduce_scatter", self)
+        for group in self._fsdp_state.groups:
+            group.custom_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         if enable:
@@ -556,6 +561,15 @@ class FSDPModule:
             f"copy.deepcopy of a sharded {type(self).__name__} is not supported: the copy would "
             f"share process groups and hooks with the original. Deep-copy the module before "
             f"fully_shard, then shard the copy."
+        )
+
+
+def _check_comm(comm: Any, api: str, module: object) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{type(module).__name__}.{api} expects a communication object with an "
+            f"allocate(size, *, dtype, device) method and a __call__ that issues the "
+            f"collective (torch's AllGather / ReduceScatter), got {type(comm).__name__}."
         )
 
 

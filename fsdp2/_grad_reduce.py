@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,7 @@ class GradientReduction:
     # set_separate_reduce_scatter_group: a process group of the same ranks for the
     # reduce-scatters alone, so they can progress while the next all-gather does.
     reduce_scatter_group: ProcessGroup | None
+    custom_reduce_scatter: Any  # set_custom_reduce_scatter: torch's ReduceScatter
     replicate_group: ProcessGroup | None
     replicate_size: int
     reduce_dtype: torch.dtype | None
@@ -192,7 +194,11 @@ class GradientReduction:
         # Bound memory before allocating: finish older reductions (freeing their inputs)
         # so that with this one at most ``max_reduces_in_flight`` are in flight.
         comm.finish_reduces(keep=comm.max_reduces_in_flight - 1)
-        rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
+        custom = self.custom_reduce_scatter
+        if custom is not None:  # its buffers come from its own allocator
+            rs_input = custom.allocate((ws * numel,), dtype=reduce_dtype, device=self.device)
+        else:
+            rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
         self._copy_in_grads(rows, rs_input.view(ws, numel))
         del rows, grads  # the unsharded gradients die here, not when this returns
         predivide = self.predivide_factor(reduce_dtype)
@@ -205,9 +211,12 @@ class GradientReduction:
             comm.reduces.append(ReduceInFlight(self, rs_input, rs_input, done, has_grad))
             return
         with use_stream(stream):
-            rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
+            if custom is not None:
+                rs_output = custom.allocate((numel,), dtype=reduce_dtype, device=self.device)
+            else:
+                rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             group = self.reduce_scatter_group or self.process_group
-            pending = reduce_scatter_flat(rs_output, rs_input, group, stream)
+            pending = reduce_scatter_flat(rs_output, rs_input, group, stream, custom=custom)
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None

@@ -138,6 +138,9 @@ class AllGatherInFlight(NamedTuple):
     output: torch.Tensor  # 1-D, world_size * S, rank-major
     pending: PendingCollective
     from_post_forward: bool  # gathered within the post-forward group (int reshard)
+    # Into the unsharded buffer itself (no copy-out); False with a custom all-gather,
+    # whose own buffer is copied out.
+    in_place: bool
 
 
 class ParamGroup(GradientReduction):
@@ -160,6 +163,12 @@ class ParamGroup(GradientReduction):
         shard_dim = mesh.ndim - 1
         self.process_group = mesh.get_group(shard_dim)
         self.reduce_scatter_group: Any = None  # set_separate_reduce_scatter_group
+        # set_custom_all_gather / set_custom_reduce_scatter: torch's Comm objects, which
+        # allocate the collective's buffers and issue it. Their buffers may be special
+        # memory (symmetric, registered): never pooled nor resized by us, so an in-place
+        # all-gather becomes a gather into the custom buffer plus one copy.
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
         self.world_size = mesh.size(shard_dim)
         self.shard_rank = mesh.get_local_rank(shard_dim)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -401,9 +410,17 @@ class ParamGroup(GradientReduction):
         with use_stream(stream):
             # Memory released by the compute stream may be reused only after it is done.
             wait_event(stream, comm.all_gather_release)
-            if self._gather_in_place:
+            custom = self.custom_all_gather
+            in_place = self._gather_in_place and custom is None
+            if in_place:
                 self._alloc_unsharded()
                 output = self._unsharded_write
+            elif custom is not None:
+                output = custom.allocate(
+                    (self.world_size * self.gather_numel,),
+                    dtype=self.gather_dtype,
+                    device=self.device,
+                )
             else:
                 output = comm.host_buffers.empty(
                     self.world_size * self.gather_numel, self.gather_dtype, self.device
@@ -425,8 +442,8 @@ class ParamGroup(GradientReduction):
                     output.copy_(ag_input, non_blocking=True)
                 pending = PendingCollective(None, record_event(stream))
             else:
-                pending = all_gather_flat(output, ag_input, group, stream)
-        self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward)
+                pending = all_gather_flat(output, ag_input, group, stream, custom)
+        self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
 
     def _all_gather_input(self, output: torch.Tensor) -> torch.Tensor:
         """The flat shard itself when it is already in the gathered dtype and on the
@@ -478,7 +495,13 @@ class ParamGroup(GradientReduction):
         comm = self._require_comm()
         compute = comm.streams.compute()
         wait(in_flight.pending, compute)
-        if not self._gather_in_place:
+        if self._gather_in_place and not in_flight.in_place:
+            # A custom all-gather's buffer, rank-major like the unsharded buffer here
+            # (also for the post-forward group's gather): one copy.
+            self._alloc_unsharded()
+            self._unsharded_write.copy_(in_flight.output.view(self._unsharded_write.shape))
+            comm.release_all_gather_memory()
+        elif not in_flight.in_place:
             self._alloc_unsharded()
             if in_flight.from_post_forward:
                 ranks, targets = self.post_forward_size, self._post_forward_targets
@@ -494,7 +517,8 @@ class ParamGroup(GradientReduction):
             del output
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
             comm.release_all_gather_memory()
-            comm.host_buffers.release(in_flight.output)
+            if self.custom_all_gather is None:
+                comm.host_buffers.release(in_flight.output)
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
             unsharded = p.require_unsharded_param()

@@ -25,12 +25,14 @@ Where torch differs (documented in docs/torch_mapping.md):
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _control_helpers import (
+    IN_DIM,
     TOL,
     CollectiveLog,
     adamw,
@@ -48,7 +50,7 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, is_dtensor, require_impl
+from _helpers import IMPLS, get_fully_shard, is_dtensor, require_impl
 from _launcher import run_ranks
 from test_grad_accumulation import exec_doc_example, first_python_block
 from torch.distributed.tensor import DTensor
@@ -602,6 +604,95 @@ def test_separate_reduce_scatter_group(impl: str) -> None:
     for report in run_ranks(separate_reduce_scatter_group, 2, impl):
         assert report["diff"] <= TOL, report["diff"]
         assert report["used"] == ["separate"] * 3 + ["shared"], report["used"]
+
+
+class _CountingComm:
+    """torch's ``AllGather`` / ``ReduceScatter`` contract over ``torch.distributed``,
+    counting allocations and calls."""
+
+    def __init__(self) -> None:
+        self.allocations: list[tuple[tuple[int, ...], torch.dtype]] = []
+        self.calls = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocations.append((tuple(size), dtype))
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+def _custom_comms(impl: str) -> tuple[Any, Any]:
+    if impl == "torch":
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    else:
+        AllGather = ReduceScatter = object  # fsdp2 needs no base class
+
+    class CountingAllGather(_CountingComm, AllGather):  # type: ignore[misc, valid-type]
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            self.calls += 1
+            return dist.all_gather_into_tensor(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+
+    class CountingReduceScatter(_CountingComm, ReduceScatter):  # type: ignore[misc, valid-type]
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.calls += 1
+            return dist.reduce_scatter_tensor(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            )
+
+    return CountingAllGather(), CountingReduceScatter()
+
+
+def custom_collectives(impl: str, single_param_blocks: bool) -> dict:
+    """Three AdamW steps with a custom all-gather and reduce-scatter on every sharded
+    module: parity with the reference; how often the comm objects allocated and ran.
+    ``single_param_blocks``: 4 groups of one parameter each (bias-free Linears) and a
+    root Linear: such groups gather in place into the unsharded buffer without a custom
+    all-gather."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    if single_param_blocks:
+        torch.manual_seed(0)
+        ref: Any = torch.nn.Sequential(
+            *(torch.nn.Linear(IN_DIM, IN_DIM, bias=False) for _ in range(4)),
+            torch.nn.Linear(IN_DIM, IN_DIM),
+        )
+        model = clone_model(ref)
+        for block in list(model)[:4]:
+            get_fully_shard(impl)(block)
+        get_fully_shard(impl)(model)
+    else:
+        ref = build_net()
+        model = shard_net(clone_model(ref), impl)
+    all_gather, reduce_scatter = _custom_comms(impl)
+    for module in fsdp_modules(model, impl):
+        module.set_custom_all_gather(all_gather)
+        module.set_custom_reduce_scatter(reduce_scatter)
+    opt, ref_opt = adamw(model), adamw(ref)
+    for step in range(3):
+        batch = global_batch(step, 8)
+        _train_step(model, opt, batch, rank, ws)
+        reference_step(ref, ref_opt, batch)
+    return {
+        "diff": max_param_diff(ref, model)[1],
+        "ag": (len(all_gather.allocations), all_gather.calls),
+        "rs": (len(reduce_scatter.allocations), reduce_scatter.calls),
+    }
+
+
+@pytest.mark.parametrize("single_param_blocks", [False, True], ids=["blocks", "in_place"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_custom_all_gather_and_reduce_scatter(impl: str, single_param_blocks: bool) -> None:
+    """torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``: every
+    all-gather allocates its output and runs through the comm object, every reduce-scatter
+    its input and output; training is unchanged. fsdp2 raised NotImplementedError."""
+    require_impl(impl)
+    for report in run_ranks(custom_collectives, 2, impl, single_param_blocks):
+        assert report["diff"] <= TOL, report["diff"]
+        ag_allocations, ag_calls = report["ag"]
+        rs_allocations, rs_calls = report["rs"]
+        # Per step: the 4 blocks gather in forward and again in backward, the root once;
+        # every group reduce-scatters once.
+        assert ag_calls == 3 * 9 and ag_allocations == ag_calls, report
+        assert rs_calls == 3 * 5 and rs_allocations == 2 * rs_calls, report
 
 
 CONTROL_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "control.md"

@@ -310,8 +310,14 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "share_comm_ctx_after_forward": ("RuntimeError", r"already ran its first forward"),
     "register_method_not_sharded": ("ValueError", r"module fully_shard was applied to, got Block"),
     "register_method_missing": ("ValueError", r"FSDPBlock has no method named 'sample'"),
-    "custom_all_gather": ("NotImplementedError", r"FSDPRoot\.set_custom_all_gather"),
-    "custom_reduce_scatter": ("NotImplementedError", r"FSDPRoot\.set_custom_reduce_scatter"),
+    "custom_all_gather": (
+        "TypeError",
+        r"FSDPRoot\.set_custom_all_gather expects a communication object with an allocate",
+    ),
+    "custom_reduce_scatter": (
+        "TypeError",
+        r"FSDPRoot\.set_custom_reduce_scatter expects.*got object",
+    ),
     "separate_reduce_scatter_group_not_bool": (
         "ValueError",
         r"set_separate_reduce_scatter_group expects a bool, got 1",
