@@ -216,8 +216,8 @@ _POST_FORWARD_GROUPS: dict[tuple[Any, tuple[int, ...], int], Any] = {}
 
 
 def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[Any, int]:
-    """The group of ``size`` consecutive shard-group ranks this rank belongs to, and its
-    index there. Created once per (mesh, size): every rank creates every subgroup, in
+    """The group of ``size`` ranks consecutive in the mesh's shard dim this rank belongs
+    to, and its rank there. Created once per (mesh, size): every rank creates every subgroup, in
     the same order, because fully_shard runs the same calls on every rank."""
     ranks = mesh.mesh.reshape(-1, size)
     # Keyed by the shard group too: after destroy_process_group() and a new world, the
@@ -225,8 +225,11 @@ def post_forward_group(mesh: DeviceMesh, size: int) -> tuple[Any, int]:
     key = (mesh.get_group(mesh.ndim - 1), tuple(mesh.mesh.flatten().tolist()), size)
     if key not in _POST_FORWARD_GROUPS:
         _POST_FORWARD_GROUPS[key] = dist.new_subgroups_by_enumeration(ranks.tolist())[0]
-    shard_rank = mesh.get_local_rank(mesh.ndim - 1)
-    return _POST_FORWARD_GROUPS[key], shard_rank % size
+    subgroup = _POST_FORWARD_GROUPS[key]
+    # The rank's place in its subgroup (ranks sorted), which orders the backward
+    # all-gather's output. Not its mesh coordinate modulo ``size``: a mesh whose order is
+    # not the process group's (DeviceMesh("cpu", [0, 2, 1, 3])) puts 0 and 2 together.
+    return subgroup, dist.get_rank(subgroup)
 
 
 def validate_shard_placement_fn(fn: Callable[[nn.Parameter], Any] | None) -> None:

@@ -961,3 +961,37 @@ def test_per_parameter_meshes_from_shard_placement_fn(
         else:
             assert counts[("reduce_scatter", 4)] == 3 and counts[("reduce_scatter", 2)] == 2
             assert counts[("all_reduce", 2)] == 2  # the experts' HSDP replicas
+
+
+def _int_reshard_on_permuted_mesh(impl: str) -> float:
+    """``reshard_after_forward=2`` over ``DeviceMesh("cpu", [0, 2, 1, 3])``, whose order
+    differs from its process group's (the default group's): the largest gradient
+    difference from the non-sharded model after one backward."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4))
+    model = copy.deepcopy(ref)
+    mesh = DeviceMesh("cpu", [0, 2, 1, 3], mesh_dim_names=("permuted",))
+    get_fully_shard(impl)(model[1], mesh=mesh, reshard_after_forward=2)
+    get_fully_shard(impl)(model, mesh=mesh)
+    x = torch.randn(4, 3, 4, generator=torch.Generator().manual_seed(1))
+    model(x[dist.get_rank()]).pow(2).sum().backward()
+    ref(x).pow(2).sum().div(4).backward()  # the mean over ranks of their sums
+    return compare_grads(ref, model)
+
+
+def compare_grads(ref: torch.nn.Module, model: torch.nn.Module) -> float:
+    return max(
+        (p.grad.full_tensor() - r.grad).abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters())
+    )
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_int_reshard_on_a_mesh_in_another_rank_order(impl: str) -> None:
+    """The post-forward subgroups follow the mesh ({0, 2}, {1, 3}); fsdp2 took each
+    rank's index in its subgroup from its shard-group rank (rank 2 -> 0, like rank 0), so
+    backward all-gathered a wrong weight. Found by the fuzzer (per-parameter meshes)."""
+    for diff in run_ranks(_int_reshard_on_permuted_mesh, 4, impl):
+        assert diff <= TOL, diff
