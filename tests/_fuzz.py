@@ -44,6 +44,23 @@ and 4 more often, and
 * ``reshard_after_forward=2`` (int) in ``plan`` entries at 4 ranks on a 1-D mesh
   (``p_raf_int``; with HSDP the int must divide the shard group size 2, where 2 is True).
 
+From seed ``PER_PARAM_MESH_FROM`` (6000) on (keys absent before), per-parameter meshes
+(torch 2.13's ``ShardPlacementResult(placement, mesh_info)``), all over every rank so parity
+with the reference holds (``PARAM_MESHES``):
+
+* ``param_meshes``: the names of the meshes a case may use (none in some cases), created
+  once per case before sharding, in this order, on every rank;
+* ``param_mesh``: per ``plan`` entry, None or ``{fqn: name}``: ``shard_placement_fn``
+  returns ``ShardPlacementResult(Shard(d) or None, mesh_info)`` for those parameters
+  (``FSDPMeshInfo`` for a 1-D mesh, ``HSDPMeshInfo(shard_mesh_dim=1,
+  replicate_mesh_dim=0)`` for a 2-D one), so one call makes a group per mesh; ``shard_dims``
+  then only picks dims that mesh's shard group size divides, and an int
+  ``reshard_after_forward`` only meshes whose shard size it divides;
+* ``pp_raw_mesh``: fsdp2 gets the ``DeviceMesh`` itself as ``mesh_info`` (which it also
+  accepts), torch the mesh info; ``accum_mode`` may be ``"all_reduce"`` / ``"both"`` with an
+  HSDP per-parameter mesh on a 1-D default mesh; ``clip`` then computes the norm from every
+  gradient's ``full_tensor()`` (``clip_grad_norm_`` cannot stack norms of several meshes).
+
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
@@ -109,6 +126,29 @@ EXTENDED_FROM = 3000
 # Seeds from here on also draw world size 4, HSDP, ``shard_placement_fn``, int
 # ``reshard_after_forward`` and ``Experts`` (the cases' new keys are absent before).
 SHARDING_FROM = 4000
+
+# Seeds from here on also draw per-parameter meshes (``param_mesh``; absent before).
+PER_PARAM_MESH_FROM = 6000
+
+# Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
+# ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
+# parallelism. A 1-D mesh over all ranks, in any order, is on the default process group
+# (``DeviceMesh`` reuses it): ``perm`` (and ``flat``) share their process group with the
+# 1-D default mesh, torch then rejects them mixed with default-mesh parameters in one call
+# ("must use the same FSDPMeshInfo object"). ``(1, n)``: the shard group is the default one,
+# the replicate groups single ranks; ``(n, 1)``: shard groups of one rank.
+PARAM_MESHES: dict[int, dict[str, list]] = {
+    2: {"perm": [1, 0], "h12": [[0, 1]], "h21": [[0], [1]]},
+    3: {"perm": [2, 0, 1], "h13": [[0, 1, 2]], "h31": [[0], [1], [2]]},
+    4: {
+        "perm": [0, 2, 1, 3],
+        "flat": [0, 1, 2, 3],
+        "h22": [[0, 1], [2, 3]],
+        "h22t": [[0, 2], [1, 3]],
+        "h14": [[0, 1, 2, 3]],
+        "h41": [[0], [1], [2], [3]],
+    },
+}
 
 # Against the non-sharded reference (relative to the magnitude of the values).
 REF_TOL = {"fp32": 1e-5, "bf16": 5e-2}
@@ -452,6 +492,8 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         case["p_shard_dim"] = extra3.choice([0.0, 0.5, 0.9])
         int_raf = ws == 4 and not hsdp and extra3.random() < 0.5
         case["p_raf_int"] = extra3.choice([0.3, 0.7]) if int_raf else 0.0
+    if seed >= PER_PARAM_MESH_FROM:
+        _draw_param_meshes(case, random.Random(seed * 982451653 + 59))
     case.update(overrides)
     model = Root(case["spec"])
     if "plan" not in overrides:
@@ -462,6 +504,8 @@ def gen_case(seed: int, **overrides: Any) -> dict:
                 (names, 2 if int_rng.random() < case["p_raf_int"] else raf)
                 for names, raf in case["plan"]
             ]
+    if "param_meshes" in case and "param_mesh" not in overrides:
+        case["param_mesh"] = _gen_param_mesh(model, case)
     if "p_shard_dim" in case and "shard_dims" not in overrides:
         case["shard_dims"] = _gen_shard_dims(model, case)
     if "frozen" not in overrides:
@@ -526,10 +570,74 @@ def shard_group_size(case: dict) -> int:
     return case["mesh"][-1] if case.get("mesh") else case["ws"]
 
 
+def _param_mesh_shard_size(ws: int, name: str) -> int:
+    ranks = PARAM_MESHES[ws][name]
+    return len(ranks[0]) if isinstance(ranks[0], list) else len(ranks)
+
+
+def _is_hsdp_param_mesh(ws: int, name: str) -> bool:
+    return isinstance(PARAM_MESHES[ws][name][0], list)
+
+
+def _draw_param_meshes(case: dict, rng: random.Random) -> None:
+    """The case-level keys of per-parameter meshes (seeds from ``PER_PARAM_MESH_FROM``)."""
+    ws, hsdp = case["ws"], bool(case.get("mesh"))
+    if ws == 4 and hsdp:  # the 1-D mesh of every rank is another group here
+        pool = ["flat", "flat", "h22", "h22t", "h14", "h41", "perm"]
+    elif ws == 4:
+        pool = ["h22", "h22", "h22t", "h22t", "h14", "h41", "perm"]
+    else:
+        pool = list(PARAM_MESHES[ws]) + [f"h1{ws}"]  # (1, n) twice: its shard group is n
+    names: list[str] = []
+    if rng.random() < 0.75:
+        names = sorted(set(rng.sample(pool, rng.choice([1, 1, 2]))))
+        if {"flat", "perm"} <= set(names):  # one process group, two mesh objects
+            names.remove(rng.choice(["flat", "perm"]))
+    case["param_meshes"] = tuple(names)
+    case["p_param_mesh"] = rng.choice([0.4, 0.7, 1.0])
+    case["pp_raw_mesh"] = rng.random() < 0.3
+    if not hsdp and any(_is_hsdp_param_mesh(ws, n) for n in names) and rng.random() < 0.5:
+        case["accum_mode"] = rng.choice(["gradient_sync", "all_reduce", "both"])
+
+
+def _gen_param_mesh(model: Root, case: dict) -> list[dict[str, str] | None]:
+    """Per ``plan`` entry: None (every parameter on the call's mesh) or ``{fqn: name}``: the
+    parameters of that entry's group sharded over the per-parameter mesh ``name``, all of
+    them or some (the others on the call's mesh)."""
+    rng = random.Random(case["plan_seed"] + 5)
+    first_name: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        first_name.setdefault(id(p), name)
+    managed: set[int] = set()
+    out: list[dict[str, str] | None] = []
+    for names, raf in case["plan"]:
+        params = []
+        for n in names:
+            for p in model.get_submodule(n).parameters():
+                if id(p) not in managed:
+                    managed.add(id(p))
+                    params.append(p)
+        meshes = list(case["param_meshes"])
+        if isinstance(raf, int) and not isinstance(raf, bool):  # must divide the shard size
+            meshes = [m for m in meshes if _param_mesh_shard_size(case["ws"], m) % raf == 0]
+        if not params or not meshes or rng.random() >= case["p_param_mesh"]:
+            out.append(None)
+            continue
+        whole = rng.random() < 0.3  # every parameter of the call on one mesh
+        mesh = rng.choice(meshes)
+        chosen = {}
+        for p in params:
+            if whole or rng.random() < 0.5:
+                chosen[first_name[id(p)]] = mesh if whole else rng.choice(meshes)
+        out.append(chosen)
+    return out
+
+
 def _gen_shard_dims(model: Root, case: dict) -> list[dict[str, int] | None]:
-    """Per ``plan`` entry: None (no ``shard_placement_fn``), or ``{fqn: d}`` for some of the
+    """Per ``plan`` entry: None (no ``Shard(d > 0)``), or ``{fqn: d}`` for some of the
     parameters that entry's group manages (``Shard(d)``, d > 0, for dims the shard group
-    size divides; the others get None, that is ``Shard(0)``)."""
+    size divides, that of the parameter's own mesh if ``param_mesh`` gives it one; the
+    others get None, that is ``Shard(0)``)."""
     rng = random.Random(case["plan_seed"] + 4)
     group_size = shard_group_size(case)
     first_name = {}
@@ -537,7 +645,8 @@ def _gen_shard_dims(model: Root, case: dict) -> list[dict[str, int] | None]:
         first_name.setdefault(id(p), name)
     managed: set[int] = set()
     out: list[dict[str, int] | None] = []
-    for names, _ in case["plan"]:
+    param_mesh = case.get("param_mesh") or [None] * len(case["plan"])
+    for (names, _), on_mesh in zip(case["plan"], param_mesh, strict=True):
         params = []
         for n in names:
             for p in model.get_submodule(n).parameters():
@@ -549,7 +658,10 @@ def _gen_shard_dims(model: Root, case: dict) -> list[dict[str, int] | None]:
             continue
         dims = {}
         for p in params:
-            ok = [d for d in range(1, p.dim()) if p.shape[d] % group_size == 0]
+            size = group_size
+            if on_mesh and first_name[id(p)] in on_mesh:  # its own mesh's shard group
+                size = _param_mesh_shard_size(case["ws"], on_mesh[first_name[id(p)]])
+            ok = [d for d in range(1, p.dim()) if p.shape[d] % size == 0]
             if ok and rng.random() < case["p_shard_dim"]:
                 dims[first_name[id(p)]] = rng.choice(ok)
         out.append(dims)
@@ -590,11 +702,10 @@ def _gen_ops(case: dict) -> dict[int, list[tuple[str, str, str]]]:
 def describe(case: dict) -> str:
     keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
-    keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode"]
+    keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
-    lines += [
-        f"{k}={case[k]!r}" for k in ("spec", "plan", "shard_dims", "frozen", "ops") if k in case
-    ]
+    listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops")
+    lines += [f"{k}={case[k]!r}" for k in listed if k in case]
     return "\n".join(lines)
 
 
@@ -630,6 +741,23 @@ def features(case: dict) -> set[str]:
         else set()
     )
     out |= {f"shard_dim_{d}" for d in dims}
+    plan = case["plan"]
+    on_mesh = [
+        (i, fqn, name)
+        for i, named in enumerate(case.get("param_mesh") or [])
+        for fqn, name in (named or {}).items()
+    ]
+    if on_mesh:
+        out.add("param_mesh")
+        hsdp = {_is_hsdp_param_mesh(case["ws"], name) for _, _, name in on_mesh}
+        out |= {"param_mesh_hsdp" if h else "param_mesh_fsdp" for h in hsdp}
+        shard_dims = case.get("shard_dims") or [None] * len(plan)
+        if any((shard_dims[i] or {}).get(fqn) for i, fqn, _ in on_mesh):
+            out.add("param_mesh_shard_dim")
+        if any(type(plan[i][1]) is int for i, _, _ in on_mesh):
+            out.add("param_mesh_raf_int")
+        if case.get("pp_raw_mesh"):
+            out.add("param_mesh_raw")
     return out
 
 
@@ -688,7 +816,11 @@ def _optimizer(case: dict, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, eps=1e-3, weight_decay=0.01)
 
 
-def shard(case: dict, model: Root, impl: str, mesh: Any) -> None:
+def shard(
+    case: dict, model: Root, impl: str, mesh: Any, param_meshes: dict[str, Any] | None = None
+) -> None:
+    """Apply ``case['plan']``. ``param_meshes``: ``{name: (mesh_info, DeviceMesh)}`` of the
+    case's per-parameter meshes (``param_mesh_infos``)."""
     if impl == "fsdp2":
         import fsdp2
 
@@ -703,9 +835,18 @@ def shard(case: dict, model: Root, impl: str, mesh: Any) -> None:
     for name, p in model.named_parameters():
         fqns.setdefault(id(p), name)
     shard_dims = case.get("shard_dims") or [None] * len(case["plan"])
-    for (names, reshard), dims in zip(case["plan"], shard_dims, strict=True):
+    on_mesh = case.get("param_mesh") or [None] * len(case["plan"])
+    # fsdp2 also takes the DeviceMesh itself as a mesh_info; torch needs its mesh info.
+    raw = impl == "fsdp2" and case.get("pp_raw_mesh")
+    infos = {k: mesh if raw else info for k, (info, mesh) in (param_meshes or {}).items()}
+    for (names, reshard), dims, named in zip(case["plan"], shard_dims, on_mesh, strict=True):
         modules = [model.get_submodule(n) for n in names]
-        if dims is not None:
+        if named:
+            meshes = {fqn: infos[k] for fqn, k in named.items()}
+            kwargs["shard_placement_fn"] = functools.partial(
+                _placement, fqns, dims or {}, meshes=meshes
+            )
+        elif dims is not None:
             kwargs["shard_placement_fn"] = functools.partial(_placement, fqns, dims)
         else:
             kwargs.pop("shard_placement_fn", None)
@@ -714,14 +855,25 @@ def shard(case: dict, model: Root, impl: str, mesh: Any) -> None:
         )
 
 
-def _placement(fqns: dict[int, str], dims: dict[str, int], param: nn.Parameter) -> Any:
-    """``shard_placement_fn``: ``Shard(dims[fqn])`` for the parameters ``dims`` names."""
+def _placement(
+    fqns: dict[int, str],
+    dims: dict[str, int],
+    param: nn.Parameter,
+    meshes: dict[str, Any] | None = None,
+) -> Any:
+    """``shard_placement_fn``: ``Shard(dims[fqn])`` for the parameters ``dims`` names, as a
+    ``ShardPlacementResult`` on ``meshes[fqn]`` (a mesh info) for those ``meshes`` names."""
     from torch.distributed.tensor import Shard
 
     if id(param) not in fqns:
         raise KeyError(f"shard_placement_fn called with an unknown parameter {tuple(param.shape)}")
     dim = dims.get(fqns[id(param)])
-    return None if dim is None else Shard(dim)
+    placement = None if dim is None else Shard(dim)
+    if meshes is None or fqns[id(param)] not in meshes:
+        return placement
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+    return ShardPlacementResult(placement=placement, mesh_info=meshes[fqns[id(param)]])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -743,6 +895,21 @@ def _gather_grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
         else:
             out[n] = _full(p.grad).detach().clone()
     return out
+
+
+def _clip_full(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradients on several meshes (whose norms it cannot stack):
+    the total norm from every gradient's ``full_tensor()``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(_full(g).detach()) for g in grads])
+    )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+    for g in grads:
+        g.detach().mul_(coef)
+    return total
 
 
 def _apply_ops(model: nn.Module, ops: list[tuple[str, str, str]], when: str) -> None:
@@ -813,7 +980,10 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
             }
         if case["clip"]:
             params = [p for _, p in named if p.requires_grad]
-            entry["norm"] = _full(nn.utils.clip_grad_norm_(params, 0.5)).detach().reshape(1)
+            if sharded and any(case.get("param_mesh") or []):  # gradients on several meshes
+                entry["norm"] = _clip_full(params, 0.5).reshape(1)
+            else:
+                entry["norm"] = _full(nn.utils.clip_grad_norm_(params, 0.5)).detach().reshape(1)
         opt.step()
         opt.zero_grad(set_to_none=case["set_to_none"])
         if sharded and step + 1 in case["ops"]:
@@ -840,10 +1010,11 @@ def run_impls(case: dict, impls: tuple[str, ...] = ("fsdp2", "torch")) -> dict[s
     if ws != case["ws"]:
         raise ValueError(f"case for {case['ws']} ranks run on {ws}")
     mesh = _mesh(tuple(case.get("mesh") or (ws,)))
+    param_meshes = param_mesh_infos(case)  # before sharding, the same on every rank
     records = {}
     for impl in impls:
         model = make_model(case)
-        shard(case, model, impl, mesh)
+        shard(case, model, impl, mesh, param_meshes)
         records[impl] = train(case, model, rank)
         if rank != 0:
             for entry in records[impl]["steps"]:
@@ -864,6 +1035,34 @@ def _mesh(shape: tuple[int, ...]) -> Any:
         names = ("replicate", "shard") if len(shape) == 2 else None
         _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESHES[key]
+
+
+def param_mesh_infos(case: dict) -> dict[str, tuple[Any, Any]]:
+    """``{name: (mesh_info, DeviceMesh)}`` for ``case['param_meshes']`` (collective: every
+    rank creates them in the same order). Made once per process like ``_mesh``; a mesh
+    info is one object per mesh, as torch requires of parameters on one process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    ws = dist.get_world_size()
+    out = {}
+    for name in case.get("param_meshes") or ():
+        key = (dist.distributed_c10d._get_default_group(), "param", name)
+        if key not in _MESHES:
+            ranks = PARAM_MESHES[ws][name]
+            if name == "flat":  # the case default's 1-D mesh (one object per process)
+                mesh = _mesh((ws,))
+            elif isinstance(ranks[0], list):
+                mesh = DeviceMesh("cpu", ranks, mesh_dim_names=(f"{name}_r", f"{name}_s"))
+            else:
+                mesh = DeviceMesh("cpu", ranks, mesh_dim_names=(name,))
+            if mesh.ndim == 2:
+                info: Any = HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+            else:
+                info = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=0)
+            _MESHES[key] = (info, mesh)
+        out[name] = _MESHES[key]
+    return out
 
 
 def run_reference(case: dict) -> dict:

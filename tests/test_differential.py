@@ -5,14 +5,15 @@ DDP-like replica.
 lists what a case randomizes). Each seed builds a random model and training configuration
 and trains it for 2-3 steps under fsdp2 and under torch on 2, 3 or 4 gloo ranks (seeds from
 ``_fuzz.SHARDING_FROM``: also HSDP on a 2x2 mesh, ``shard_placement_fn`` with ``Shard(d > 0)``,
-``reshard_after_forward=2``), from the same weights on the same per-rank batches. After
-every step the losses, eval outputs, every gradient (``None``-ness too) and every
-parameter's ``full_tensor()`` must be bitwise equal at 2 ranks and within a few ulps (1e-6
-relative) at 3 and 4, where gloo's summation order depends on buffer lengths
-(``_fuzz.impl_tol``; a module called twice with gradient accumulation, which torch reduces
-per call, is allowed 1e-6 relative at any size), and fsdp2 must match the
-non-sharded model trained on the global batch (``_fuzz.REF_TOL``). The seeds were chosen to
-cover the feature mix together (``test_seeds_cover_the_feature_mix``).
+``reshard_after_forward=2``; from ``_fuzz.PER_PARAM_MESH_FROM``: per-parameter meshes),
+from the same weights on the same per-rank batches. After every step the losses, eval
+outputs, every gradient (``None``-ness too) and every parameter's ``full_tensor()`` must be
+bitwise equal at 2 ranks and within a few ulps (1e-6 relative) at 3 and 4, where gloo's
+summation order depends on buffer lengths (``_fuzz.impl_tol``; a module called twice with
+gradient accumulation, which torch reduces per call, is allowed 1e-6 relative at any size),
+and fsdp2 must match the non-sharded model trained on the global batch (``_fuzz.REF_TOL``).
+The seeds were chosen to cover the feature mix together
+(``test_seeds_cover_the_feature_mix``).
 
 ``test_replica_bitwise``: regression cases found by the fuzzer. At world size 2 in fp32 a
 sharded model must compute exactly what a non-sharded replica on each rank computes with
@@ -215,7 +216,13 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # group was resharded before its embedding's backward. From ``_fuzz.SHARDING_FROM``: 4444
 # (4 ranks, ``reshard_after_forward=2`` with Shard(1) / Shard(2) parameters of ``Experts``
 # whose forward ``.view()``s them), 4165 (HSDP, Shard(1)), 4314 (HSDP, bf16, accumulation with
-# ``set_requires_all_reduce(False)``). They take about 10 s on 2 cores.
+# ``set_requires_all_reduce(False)``). From ``_fuzz.PER_PARAM_MESH_FROM`` (per-parameter
+# meshes): 6189 (HSDP default mesh, the embedding on another 2x2 HSDP mesh, experts' router
+# and bias on a permuted 1-D mesh, one with Shard(1)), 6209 (2 ranks, a frozen weight on a
+# (1, 2) HSDP mesh, an expert bias on (2, 1) with Shard(1), fsdp2 given the DeviceMesh,
+# accumulation with ``set_requires_all_reduce(False)``), 6259 (4 ranks,
+# ``reshard_after_forward=2``, experts called twice on a transposed 2x2 HSDP mesh with
+# Shard(1), gradient clipping). They take about 10 s on 2 cores.
 SEEDS = [
     2,
     29,
@@ -239,6 +246,9 @@ SEEDS = [
     4165,
     4314,
     4444,
+    6189,
+    6209,
+    6259,
 ]
 
 FEATURES = {
@@ -249,7 +259,8 @@ FEATURES = {
     # sharding
     "nested_groups", "list_group", "raf_True", "raf_False", "raf_None", "ws2", "ws3",
     "ws4", "hsdp", "raf_2", "shard_dim_1", "shard_dim_2", "experts_view", "experts_flat",
-    "accum_all_reduce",
+    "accum_all_reduce", "param_mesh", "param_mesh_hsdp", "param_mesh_fsdp",
+    "param_mesh_shard_dim", "param_mesh_raf_int", "param_mesh_raw",
     # training
     "mp", "accum", "zero_grad_keep", "sgd", "adamw", "clip", "eval", "sd_roundtrip",
     "loss_ce", "loss_mse",
