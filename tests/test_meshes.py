@@ -849,7 +849,9 @@ class _MoEBlock(torch.nn.Module):
         return self.out(self.experts(torch.relu(self.proj(x)))) + x
 
 
-def _per_param_mesh_placement(experts: torch.nn.Module, mesh_info: Any, dp_info: Any):
+def _per_param_mesh_placement(
+    experts: torch.nn.Module, mesh_info: Any, dp_info: Any, expert_dim: int = 0
+):
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.tensor import Shard
 
@@ -857,7 +859,7 @@ def _per_param_mesh_placement(experts: torch.nn.Module, mesh_info: Any, dp_info:
 
     def placement(param: torch.nn.Parameter) -> Any:
         if param in expert_params:
-            return ShardPlacementResult(placement=Shard(0), mesh_info=mesh_info)
+            return ShardPlacementResult(placement=Shard(expert_dim), mesh_info=mesh_info)
         return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
 
     return placement
@@ -868,7 +870,8 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
     ``fully_shard`` call per block, as torchtitan shards MoE blocks with torch 2.13:
     ``ep``: experts are DTensors on ``ep`` (Shard(0)), FSDP over ``edp``, the rest over all
     4 ranks (each edp pair of ranks sees one batch, as expert parallelism would route
-    it); ``subset``: plain experts, FSDP over ``edp`` only (batches shared as for ``ep``,
+    it); ``ep_dim1``: the same with the experts sharded on dim 1 over ``edp`` (as
+    torchtitan does when ``edp`` exceeds the local experts); ``subset``: plain experts, FSDP over ``edp`` only (batches shared as for ``ep``,
     so the experts' gradients agree across ``ep``); ``hsdp``: plain experts, HSDP over
     (edp, ep), the rest FSDP over all 4 ranks.
     Three SGD steps, parity with the non-sharded model and bitwise with torch."""
@@ -878,7 +881,7 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
     world = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     dp_info = FSDPMeshInfo(mesh=dp_mesh, shard_mesh_dim=0)
-    if kind in ("ep", "subset"):
+    if kind in ("ep", "ep_dim1", "subset"):
         expert_info: Any = FSDPMeshInfo(mesh=world["edp"], shard_mesh_dim=0)
     else:
         expert_info = HSDPMeshInfo(mesh=world, shard_mesh_dim=1, replicate_mesh_dim=0)
@@ -888,21 +891,23 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
     for impl in ("fsdp2", "torch", "fsdp2-loaded"):
         model = copy.deepcopy(ref)
         for block in model[:2]:
-            if kind == "ep":
+            if kind.startswith("ep"):
                 weight = distribute_tensor(block.experts.w.detach(), world["ep"], [Shard(0)])
                 block.experts.w = torch.nn.Parameter(weight)
             get_fully_shard(impl.split("-")[0])(
                 block,
                 mesh=dp_mesh,
                 reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=_per_param_mesh_placement(block.experts, expert_info, dp_info),
+                shard_placement_fn=_per_param_mesh_placement(
+                    block.experts, expert_info, dp_info, 1 if kind == "ep_dim1" else 0
+                ),
             )
         get_fully_shard(impl.split("-")[0])(model, mesh=dp_mesh)
         models[impl] = (model, torch.optim.SGD(model.parameters(), lr=0.05))
     loaded = models.pop("fsdp2-loaded")[0]  # gets the trained weights from rank 0 below
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     rank = dist.get_rank()
-    shared = kind in ("ep", "subset")
+    shared = kind != "hsdp"
     batch_of_rank = rank // 2 if shared else rank  # ranks 2i, 2i+1 share batch i
     log: list[tuple[str, int]] = []
     for step in range(3):
@@ -936,7 +941,7 @@ def _train_per_param_mesh(kind: str, reshard_after_forward: bool | int) -> dict:
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False, 2], ids=["raf", "noraf", "raf2"])
-@pytest.mark.parametrize("kind", ["ep", "subset", "hsdp"])
+@pytest.mark.parametrize("kind", ["ep", "ep_dim1", "subset", "hsdp"])
 def test_per_parameter_meshes_from_shard_placement_fn(
     kind: str, reshard_after_forward: bool | int
 ) -> None:
@@ -954,7 +959,7 @@ def test_per_parameter_meshes_from_shard_placement_fn(
         assert rep["groups"] == ([4, 4] if kind == "hsdp" else [2, 4]), rep["groups"]
         counts = rep["collectives"]
         if kind != "hsdp":
-            assert rep["expert_mesh"] == (("edp", "ep") if kind == "ep" else ("edp",))
+            assert rep["expert_mesh"] == (("edp",) if kind == "subset" else ("edp", "ep"))
             # Per step: one reduce-scatter per block over all 4 ranks (dense) and one over
             # each edp pair (experts); the root's over all 4.
             assert counts[("reduce_scatter", 4)] == 3 and counts[("reduce_scatter", 2)] == 2
