@@ -600,23 +600,38 @@ def _draw_param_meshes(case: dict, rng: random.Random) -> None:
         case["accum_mode"] = rng.choice(["gradient_sync", "all_reduce", "both"])
 
 
-def _gen_param_mesh(model: Root, case: dict) -> list[dict[str, str] | None]:
-    """Per ``plan`` entry: None (every parameter on the call's mesh) or ``{fqn: name}``: the
-    parameters of that entry's group sharded over the per-parameter mesh ``name``, all of
-    them or some (the others on the call's mesh)."""
-    rng = random.Random(case["plan_seed"] + 5)
+def _first_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's first FQN (a tied parameter has several)."""
     first_name: dict[int, str] = {}
     for name, p in model.named_parameters():
         first_name.setdefault(id(p), name)
+    return first_name
+
+
+def _plan_params(model: nn.Module, case: dict) -> list[list[nn.Parameter]]:
+    """Per ``plan`` entry (bottom-up), the parameters its ``fully_shard`` call manages:
+    those of its modules not managed by an earlier entry."""
     managed: set[int] = set()
-    out: list[dict[str, str] | None] = []
-    for names, raf in case["plan"]:
+    out: list[list[nn.Parameter]] = []
+    for names, _ in case["plan"]:
         params = []
         for n in names:
             for p in model.get_submodule(n).parameters():
                 if id(p) not in managed:
                     managed.add(id(p))
                     params.append(p)
+        out.append(params)
+    return out
+
+
+def _gen_param_mesh(model: Root, case: dict) -> list[dict[str, str] | None]:
+    """Per ``plan`` entry: None (every parameter on the call's mesh) or ``{fqn: name}``: the
+    parameters of that entry's group sharded over the per-parameter mesh ``name``, all of
+    them or some (the others on the call's mesh)."""
+    rng = random.Random(case["plan_seed"] + 5)
+    first_name = _first_names(model)
+    out: list[dict[str, str] | None] = []
+    for (_, raf), params in zip(case["plan"], _plan_params(model, case), strict=True):
         meshes = list(case["param_meshes"])
         if isinstance(raf, int) and not isinstance(raf, bool):  # must divide the shard size
             meshes = [m for m in meshes if _param_mesh_shard_size(case["ws"], m) % raf == 0]
@@ -640,19 +655,10 @@ def _gen_shard_dims(model: Root, case: dict) -> list[dict[str, int] | None]:
     others get None, that is ``Shard(0)``)."""
     rng = random.Random(case["plan_seed"] + 4)
     group_size = shard_group_size(case)
-    first_name = {}
-    for name, p in model.named_parameters():
-        first_name.setdefault(id(p), name)
-    managed: set[int] = set()
+    first_name = _first_names(model)
     out: list[dict[str, int] | None] = []
     param_mesh = case.get("param_mesh") or [None] * len(case["plan"])
-    for (names, _), on_mesh in zip(case["plan"], param_mesh, strict=True):
-        params = []
-        for n in names:
-            for p in model.get_submodule(n).parameters():
-                if id(p) not in managed:
-                    managed.add(id(p))
-                    params.append(p)
+    for params, on_mesh in zip(_plan_params(model, case), param_mesh, strict=True):
         if case["p_shard_dim"] == 0.0 or rng.random() < 0.3:
             out.append(None)
             continue

@@ -620,18 +620,22 @@ def _train_fsdp_tp(
     }
 
 
-def test_fsdp_with_tensor_parallel_2x2() -> None:
-    reports = run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"))
+def _check_fsdp_tp_2x2(reports: list[dict]) -> None:
+    """Parity, bitwise equality with torch, 2-D (dp, tp) shards, and FSDP's all-gathers
+    and reduce-scatters over the 2 dp ranks only."""
     for rank, rep in enumerate(reports):
         for impl, diffs in rep["worst"].items():
             assert max(diffs) <= TOL, f"rank {rank} {impl}: max diff {max(diffs):.3g}"
         assert rep["bitwise_equal"], f"rank {rank}: fsdp2 and torch differ"
         assert rep["mesh_ndim"] == 2
         assert rep["placements"] == ["_StridedShard", "Shard"]
-        # FSDP's all-gathers and reduce-scatters span the 2 dp ranks only.
         counts = rep["collectives"]
         assert counts[("all_gather", 2)] >= N_GROUPS and counts[("reduce_scatter", 2)] == N_GROUPS
         assert counts[("all_gather", 4)] == 0 and counts[("reduce_scatter", 4)] == 0
+
+
+def test_fsdp_with_tensor_parallel_2x2() -> None:
+    _check_fsdp_tp_2x2(run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch")))
 
 
 @pytest.mark.parametrize("layout", ["pp_dp_tp", "tp_dp"])
@@ -640,15 +644,7 @@ def test_fsdp_with_tensor_parallel_on_a_larger_or_reordered_mesh(layout: str) ->
     (tp, dp): the sharded DTensors live on the dp and tp dims of that mesh, with parity
     and bitwise equal to torch. fsdp2 required the dp mesh's parent to be exactly
     (dp, tp) and raised a ValueError (pp) or NotImplementedError (tp outer)."""
-    reports = run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"), (2,), None, layout)
-    for rank, rep in enumerate(reports):
-        for impl, diffs in rep["worst"].items():
-            assert max(diffs) <= TOL, f"rank {rank} {impl}: max diff {max(diffs):.3g}"
-        assert rep["bitwise_equal"], f"rank {rank}: fsdp2 and torch differ"
-        assert rep["mesh_ndim"] == 2
-        assert rep["placements"] == ["_StridedShard", "Shard"]
-        counts = rep["collectives"]
-        assert counts[("reduce_scatter", 2)] == N_GROUPS and counts[("all_gather", 4)] == 0
+    _check_fsdp_tp_2x2(run_ranks(_train_fsdp_tp, 4, ("fsdp2", "torch"), (2,), None, layout))
 
 
 @pytest.mark.parametrize(
