@@ -468,6 +468,17 @@ class FSDPState:
 
     def _attach_pre_backward(self, output: Any) -> Any:
         tensors = [x for x in tensors_in(output) if x.requires_grad]
+        # An output that is a view (``h.view(b, s, d)``) loses its hook if the caller
+        # modifies it in place (``y += 1``): autograd rebases the view on its base, and
+        # the view's old node, where the hook sits, leaves the graph; backward would then
+        # run on freed parameters. Hooking the base too (a non-leaf made in this forward)
+        # keeps a trigger on the path; whichever fires first unshards, once.
+        bases = [
+            x._base
+            for x in tensors
+            if x._is_view() and x._base is not None and x._base.grad_fn is not None
+        ]
+        tensors += [b for b in bases if not any(b is t for t in tensors)]
         hook = functools.partial(self._pre_backward, self._claims_this_forward)
         if len(tensors) == 1:
             # What register_multi_grad_hook(mode="any") does for one tensor, without its
