@@ -297,8 +297,7 @@ class FSDPState:
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
-        if any(not g.is_unsharded for g in self.groups):
-            self._unshard_and_wait()
+        self._unshard_and_wait()  # no-op for groups already gathered
         if torch.is_grad_enabled():
             args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs

@@ -17,6 +17,7 @@ backward of the first forward to finish must not wait for the second forward's b
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -117,20 +118,26 @@ def test_two_forwards_two_backwards_reduce_like_torch() -> None:
         assert diff <= TOL, f"[rank {rank}] {name} differs by {diff:.3g}"
 
 
-def _stale_after_forward_without_backward(impl: str, reshard: bool) -> list[str]:
-    """Each step: a training forward and backward, ``optimizer.step()``; then a forward with
-    grad enabled whose output is dropped (no backward), and a second ``optimizer.step()``
-    (the gradients were kept) while the groups stay unsharded. The next forward must use
-    the updated shards. Compared with the non-sharded model doing the same."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
+def _mlp_and_sharded_copy(impl: str, reshard: bool) -> tuple[nn.Module, nn.Module, Any, Any]:
+    """A small MLP, a copy sharded as two groups (first layer, root), and SGD for each:
+    (reference, sharded, reference optimizer, sharded optimizer)."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     model = copy.deepcopy(ref)
     fully_shard = get_fully_shard(impl)
     fully_shard(model[0], reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    return ref, model, sgd[0], sgd[1]
+
+
+def _stale_after_forward_without_backward(impl: str, reshard: bool) -> list[str]:
+    """Each step: a training forward and backward, ``optimizer.step()``; then a forward with
+    grad enabled whose output is dropped (no backward), and a second ``optimizer.step()``
+    (the gradients were kept) while the groups stay unsharded. The next forward must use
+    the updated shards. Compared with the non-sharded model doing the same."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref, model, ref_opt, opt = _mlp_and_sharded_copy(impl, reshard)
     problems: list[str] = []
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
@@ -165,14 +172,7 @@ def _stale_submodule_called_directly(impl: str) -> float:
     optimizer step, then a call of a sharded submodule on its own: the largest difference
     of its output from the non-sharded model's."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-    model = copy.deepcopy(ref)
-    fully_shard = get_fully_shard(impl)
-    fully_shard(model[0], reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref, model, ref_opt, opt = _mlp_and_sharded_copy(impl, False)
     x = torch.randn(2 * ws, 4, generator=torch.Generator().manual_seed(0))
     model(x[2 * rank : 2 * rank + 2]).sum().backward()
     ref(x).sum().div(ws).backward()
