@@ -84,6 +84,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdp2._extensions import GatherExtension, has_gather_extension, is_plain
+
 # (module, attribute name): one place a parameter is registered. Tied weights have several.
 Use = tuple[nn.Module, str]
 
@@ -229,15 +231,6 @@ class ShardedParam:
                 f"fully_shard cannot shard the 0-dim parameter '{fqn}': sharding splits dim 0. "
                 f"Store it with shape (1,) or pass it in ignored_params to keep it replicated."
             )
-        if hasattr(param, "fsdp_pre_all_gather"):
-            # e.g. float8 training subclasses: gathering their plain values instead would
-            # silently train without the subclass's all-gather (and its numerics).
-            raise NotImplementedError(
-                f"fully_shard: parameter '{fqn}' is a tensor subclass "
-                f"({type(param).__name__}) with fsdp_pre_all_gather/fsdp_post_all_gather "
-                f"all-gather extensions, which fsdp2 does not support yet; use "
-                f"torch.distributed.fsdp.fully_shard for it."
-            )
         self.fqn = fqn
         self.uses = uses
         # Tensor parallelism: ``param`` is already a DTensor on a TP mesh. We shard its
@@ -247,6 +240,12 @@ class ShardedParam:
         self.tp_placements: tuple[Any, ...] = ()
         self.global_shape = param.shape
         self.dtensor_mesh = mesh
+        # All-gather extensions: a tensor subclass with the hooks keeps its own storage
+        # (``apart``), outside the flat shard buffer; see ``_extensions``. ``extension``
+        # is set for it here and, by the group, for any local tensor that has the hooks.
+        source = param.to_local() if isinstance(param, DTensor) else param
+        self.apart = has_gather_extension(source, fqn) and not is_plain(source)
+        self.extension: GatherExtension | None = None
         if isinstance(param, DTensor):
             self._init_tensor_parallel(param, mesh, fqn, shard_dim)
             self.shape = param.to_local().shape  # all layout below is TP-local
@@ -284,6 +283,9 @@ class ShardedParam:
         first_row = min(rank * self.rows_per_rank, rows)
         self.local_rows = min(self.rows_per_rank, rows - first_row)
         self.first_row = first_row
+        self.shard_rank = rank
+        if self.apart:
+            self.extension = self.new_extension()
         # The group overrides the three offsets when it plans its layout.
         self.offset = self.shard_offset = self.gather_offset = offset
         self.unsharded_param = None
@@ -377,12 +379,16 @@ class ShardedParam:
     def init_sharded_param(
         self, full: torch.Tensor, flat_shard: torch.Tensor, requires_grad: bool
     ) -> None:
-        """Copy this rank's rows of ``full`` into the flat buffer and create the DTensor."""
-        local = self.local_alias(flat_shard)
+        """Copy this rank's rows of ``full`` into the flat buffer (or, for a parameter
+        kept apart, into a padded tensor of its own class) and create the DTensor."""
+        if self.apart:
+            local = self._own_shard(full)
+        else:
+            local = self.local_alias(flat_shard)
+            if full.device.type != "meta" and self.local_rows > 0:
+                with torch.no_grad():
+                    local.copy_(full.narrow(self.shard_dim, self.first_row, self.local_rows))
         self._local_layout = (local.shape, local.stride())
-        if full.device.type != "meta" and self.local_rows > 0:
-            with torch.no_grad():
-                local.copy_(full.narrow(self.shard_dim, self.first_row, self.local_rows))
         dtensor = DTensor.from_local(
             local,
             self.dtensor_mesh,
@@ -397,6 +403,65 @@ class ShardedParam:
         # it once here and wrapping each step's gradient with the DTensor constructor
         # costs ~5 us per parameter; ``from_local`` recomputes it (~0.4 ms at 256 ranks).
         self._spec = dtensor._spec
+
+    def _own_shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a tensor subclass, in a padded tensor of the same class made
+        with the ops torch's ``fully_shard`` uses (``chunk``, ``new_zeros``, ``narrow``,
+        ``copy_``), which such subclasses implement for it: the real rows, a view of it."""
+        with torch.no_grad():
+            chunks = torch.chunk(full, self.world_size, dim=0)
+            padded = full.new_zeros((self.rows_per_rank, *self.shape[1:]))
+            if self.local_rows > 0 and full.device.type != "meta":
+                padded.narrow(0, 0, self.local_rows).copy_(chunks[self.shard_rank])
+            return padded.narrow(0, 0, self.local_rows)
+
+    def new_extension(self) -> GatherExtension:
+        """The all-gather extension state for this parameter's local tensor."""
+        if self.shard_dim:
+            raise NotImplementedError(
+                f"fully_shard: parameter '{self.fqn}' has all-gather extensions "
+                f"(fsdp_pre_all_gather) and is sharded on dim {self.shard_dim}; extensions "
+                f"are gathered on dim 0, so return None (Shard(0)) from shard_placement_fn."
+            )
+        rest = tuple(self.shape[1:])
+        return GatherExtension(
+            self.fqn,
+            self.uses[0][0],
+            self.shape,
+            (self.rows_per_rank, *rest),
+            (self.local_rows, *rest),
+            uneven=self.rows_per_rank * self.world_size != self.shape[0],
+        )
+
+    def gather_inputs(
+        self, mesh: DeviceMesh, mp_policy: Any, device: torch.device
+    ) -> list[torch.Tensor]:
+        """The all-gather inputs ``fsdp_pre_all_gather`` makes of the local shard."""
+        return self._require_extension().inputs(self.local_tensor(), mesh, mp_policy, device)
+
+    def finish_gather(self, param_dtype: torch.dtype) -> None:
+        """Build (first gather) or refill the unsharded parameter from the extension's
+        gathered outputs with ``fsdp_post_all_gather``."""
+        value = self._require_extension().post_all_gather(
+            self.local_tensor(), param_dtype, self.unsharded_param
+        )
+        if value is None:
+            return
+        if self.tp_mesh is not None:
+            value = DTensor.from_local(
+                value,
+                self.tp_mesh,
+                self.tp_placements,
+                run_check=False,
+                shape=self.global_shape,
+                stride=_contiguous_stride(self.global_shape),
+            )
+        self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
+
+    def _require_extension(self) -> GatherExtension:
+        if self.extension is None:
+            raise RuntimeError(f"fully_shard: parameter '{self.fqn}' has no all-gather extension")
+        return self.extension
 
     def local_tensor(self) -> torch.Tensor:
         """The sharded parameter's local tensor, whatever storage it currently uses. Read

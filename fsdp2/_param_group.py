@@ -42,6 +42,18 @@ norm or router inside a bf16 block) and keep one collective per direction:
   cast per run of equal dtypes (at most one per dtype and trainable/frozen class), not one
   per parameter.
 
+[Note: groups with extensions]
+A group whose parameters include all-gather extensions (see ``_extensions``) keeps one
+all-gather, but its input can no longer be the flat shard as is: the hooks produce their
+inputs at each unshard. The message is ``uint8``: each plain parameter's padded slot (cast
+to ``param_dtype`` where set), then each extension's inputs, in parameter order, written
+into this rank's slot of the output by one ``torch.cat`` (a copy-in, as torch makes for
+every group). The copy-out is the same one ``split_with_sizes_copy`` into byte views of
+the plain parameters' unsharded slots and of the extensions' persistent outputs, after
+which each extension's ``fsdp_post_all_gather`` builds or refills its unsharded parameter.
+Subclass parameters (``ShardedParam.apart``) have no slot in the flat shard; parameters
+whose plain local tensor got hooks keep theirs. Groups without extensions are unchanged.
+
 [Note: aligned unsharded parameters]
 Every unsharded parameter starts at a multiple of ``UNSHARDED_ALIGN_BYTES`` (256) of the
 unsharded buffer (whose own start the allocator aligns). Packed back to back at
@@ -96,6 +108,7 @@ from fsdp2._collectives import (
     wait,
 )
 from fsdp2._comm_context import CommContext
+from fsdp2._extensions import has_gather_extension
 from fsdp2._grad_reduce import GradientReduction
 from fsdp2._param import ShardedParam
 from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -203,6 +216,7 @@ class ParamGroup(GradientReduction):
         # from; see [Note: stale unsharded parameters].
         self._gathered_from: tuple[int, int] | None = None
         self._all_gather: AllGatherInFlight | None = None
+        self._extension_mesh: DeviceMesh | None = None  # the shard mesh the hooks see
         # reshard_after_forward=int (see ``set_post_forward_group``).
         self.post_forward_group: Any = None
         self.post_forward_size = 0
@@ -242,36 +256,44 @@ class ParamGroup(GradientReduction):
             self.params.sort(key=lambda p: rank[id(p)])
         offset = 0
         for p in self.params:
-            p.offset = p.shard_offset = p.gather_offset = offset
+            p.offset = offset
             offset += p.padded_numel
         self._reduce_sizes = [p.padded_numel for p in self.params]
         # Shard layout: one dtype, or bytes by decreasing itemsize (aligned, no gaps).
+        # Tensor subclasses with all-gather extensions keep their own storage.
+        stored = [p for p in self.params if not p.apart]
+        by_itemsize = sorted(stored, key=lambda p: (-p.dtype.itemsize, str(p.dtype)))
+        offset = 0
         if self.mixed:
             self.shard_dtype = torch.uint8
-            by_itemsize = sorted(self.params, key=lambda p: (-p.dtype.itemsize, str(p.dtype)))
-            offset = 0
             for p in by_itemsize:
-                p.shard_offset = p.gather_offset = offset
+                p.shard_offset = offset
                 offset += p.padded_numel * p.dtype.itemsize
-            self.shard_numel = offset
         else:
             self.shard_dtype = dtypes[0]
-            self.shard_numel = sum(self._reduce_sizes)
-        # All-gather layout: typed (param_dtype, or the one dtype) in reduce order, or the
-        # shard bytes themselves. ``param_dtype`` is None only for the byte case.
+            for p in stored:
+                p.shard_offset = offset
+                offset += p.padded_numel
+        self.shard_numel = offset
+        # All-gather layout of the parameters gathered from the flat shard (not through
+        # extensions): typed (param_dtype, or the one dtype) in reduce order, or the shard
+        # bytes themselves. ``param_dtype`` is None only for the byte case.
+        self.extensions = [p for p in self.params if p.extension is not None]
         policy_dtype = self.mp_policy.param_dtype
         if policy_dtype is not None or not self.mixed:
             self.param_dtype: torch.dtype | None = policy_dtype or dtypes[0]
             self.gather_dtype = self.param_dtype
-            self._gather_params = list(self.params)
-            self._gather_sizes = list(self._reduce_sizes)
-            for p in self.params:
-                p.gather_offset = p.offset
+            self._gather_params = [p for p in self.params if p.extension is None]
+            self._gather_sizes = [p.padded_numel for p in self._gather_params]
         else:
             self.param_dtype = None
             self.gather_dtype = torch.uint8
-            self._gather_params = by_itemsize
-            self._gather_sizes = [p.padded_numel * p.dtype.itemsize for p in by_itemsize]
+            self._gather_params = [p for p in by_itemsize if p.extension is None]
+            self._gather_sizes = [p.padded_numel * p.dtype.itemsize for p in self._gather_params]
+        offset = 0
+        for p, size in zip(self._gather_params, self._gather_sizes):
+            p.gather_offset = offset
+            offset += size
         self.gather_numel = sum(self._gather_sizes)
         # None: the promotion of each step's gradient dtypes (mixed groups only).
         self.reduce_dtype: torch.dtype | None = self.mp_policy.reduce_dtype or self.param_dtype
@@ -287,8 +309,9 @@ class ParamGroup(GradientReduction):
         # One parameter, or one rank with every slot already aligned: rank-major and
         # param-major layouts coincide, so the all-gather (or, for one rank, the cast or
         # copy that replaces it) writes straight into the unsharded buffer, no copy-out.
-        self._gather_in_place = (len(self.params) == 1 and not self.params[0].shard_dim) or (
-            ws == 1 and all(start % align == 0 for start in starts)
+        self._gather_in_place = not self.extensions and (
+            (len(self.params) == 1 and not self.params[0].shard_dim)
+            or (ws == 1 and all(start % align == 0 for start in starts))
         )
         if not self._gather_in_place:
             starts = []
@@ -298,7 +321,8 @@ class ParamGroup(GradientReduction):
                 starts.append(end)
                 end += ws * size
         self._unsharded_starts = starts
-        self.unsharded_numel = max(ws * self.gather_numel, starts[-1] + ws * self._gather_sizes[-1])
+        last = starts[-1] + ws * self._gather_sizes[-1] if starts else 0
+        self.unsharded_numel = max(ws * self.gather_numel, last)
 
     def _new_flat_shard(self, device: torch.device) -> torch.Tensor:
         flat = torch.zeros(self.shard_numel, dtype=self.shard_dtype, device=device)
@@ -310,13 +334,13 @@ class ParamGroup(GradientReduction):
     def lazy_init(self, comm: CommContext) -> None:
         """Bind to the tree's communication context and build the unsharded buffer."""
         self.comm = comm
+        self.ensure_shards_bound()
         # The unsharded buffer is its all-gather output plus the alignment gaps, and the
         # reduce-scatter input that plus the flags: one pooled buffer serves all three.
         gap_bytes = (self.unsharded_numel - self.world_size * self.gather_numel) * (
             self.gather_dtype.itemsize
         )
         comm.host_buffers.allow_slack(self.reduce_flag_bytes + gap_bytes)
-        self.ensure_shards_bound()
         if self.flat_shard.device.type == "meta":
             raise RuntimeError(
                 f"fully_shard: the parameters of {self.label} are still on the meta device at "
@@ -351,6 +375,12 @@ class ParamGroup(GradientReduction):
             ]
         # Shard(d > 0) targets are strided: [Note: sharding a dim other than 0] in _param.
         self._strided_copy_out = any(t.dim() != 2 for t in self._copy_out_targets)
+        # With extensions every target is written as bytes: [Note: groups with extensions].
+        self._byte_targets = {
+            id(p): t.view(torch.uint8)
+            for p, t in zip(self._gather_params, self._copy_out_targets)
+            if self.extensions
+        }
         self._free_unsharded()
 
     def ensure_shards_bound(self) -> None:
@@ -360,7 +390,18 @@ class ParamGroup(GradientReduction):
             for p in self.params:
                 p.adopt_assigned()
             self._tied = [p for p in self.params if p.tied_to is not None]
-        if all(p.points_into(self.flat_shard) for p in self.params):
+        relaid = self._find_extensions()
+        bound = (
+            p.local_tensor().dtype == p.dtype if p.apart else p.points_into(self.flat_shard)
+            for p in self.params
+        )
+        if all(bound):
+            if relaid:  # same shard layout, new all-gather layout
+                self._plan_layout(
+                    [p.dtype for p in self.params], [p.requires_grad for p in self.params]
+                )
+                if self.unsharded_flat is not None:
+                    self._init_unsharded()
             return
         local = [p.local_tensor() for p in self.params]
         # ``module.to(dtype)`` may have changed dtypes (e.g. made a mixed group uniform).
@@ -375,10 +416,30 @@ class ParamGroup(GradientReduction):
         self.shard_device = first.device
         flat = self._new_flat_shard(first.device)
         for p in self.params:
-            p.repoint(flat)
+            if not p.apart:
+                p.repoint(flat)
         self.flat_shard = flat
         if self.unsharded_flat is not None:
             self._init_unsharded()
+
+    def _find_extensions(self) -> bool:
+        """Note which local tensors now define all-gather extensions (a subclass swapped in
+        by ``to_empty()`` or a load, hooks patched onto a local tensor after sharding) and
+        which of them live outside the flat buffer; return whether that changed. Read
+        while sharded: at lazy init and whenever the shards are re-bound."""
+        if self.is_unsharded or self.unshard_pending:
+            return False
+        changed = False
+        for p in self.params:
+            local = p.local_tensor()
+            has = has_gather_extension(local, p.fqn)
+            apart = has and (p.apart or not p.points_into(self.flat_shard))
+            if has != (p.extension is not None) or apart != p.apart:
+                changed = True
+                p.apart = apart
+                p.extension = p.new_extension() if has else None
+                p.unsharded_param = None  # rebuilt by the new all-gather path
+        return changed
 
     # -- unshard / reshard -----------------------------------------------------------------
     @property
@@ -412,20 +473,8 @@ class ParamGroup(GradientReduction):
             wait_event(stream, comm.all_gather_release)
             custom = self.custom_all_gather
             in_place = self._gather_in_place and custom is None
-            if in_place:
-                self._alloc_unsharded()
-                output = self._unsharded_write
-            elif custom is not None:
-                output = custom.allocate(
-                    (self.world_size * self.gather_numel,),
-                    dtype=self.gather_dtype,
-                    device=self.device,
-                )
-            else:
-                output = comm.host_buffers.empty(
-                    self.world_size * self.gather_numel, self.gather_dtype, self.device
-                )
             if post_forward:
+                output = self._all_gather_output(in_place)
                 ag_input, group = self._require_post_forward_shard(), self.post_forward_group
                 wait_event(stream, self._post_forward_ready)  # written on the compute stream
                 self._post_forward_shard = self._post_forward_ready = None
@@ -433,8 +482,12 @@ class ParamGroup(GradientReduction):
                 for p in self._tied:
                     p.refresh_tied(self.flat_shard)
                 self._gathered_from = self._shard_version()
-                ag_input = self._all_gather_input(output)
                 group = self.process_group
+                if self.extensions:
+                    output, ag_input = self._extension_all_gather_buffers()
+                else:
+                    output = self._all_gather_output(in_place)
+                    ag_input = self._all_gather_input(output)
             if self.world_size == 1:
                 # One rank holds whole parameters: no collective (torch issues none either).
                 # It gathers in place, so at most the shard is copied into the output.
@@ -444,6 +497,55 @@ class ParamGroup(GradientReduction):
             else:
                 pending = all_gather_flat(output, ag_input, group, stream, custom)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
+
+    def _all_gather_output(self, in_place: bool) -> torch.Tensor:
+        """The rank-major all-gather output: the unsharded buffer itself (in place), a
+        custom all-gather's buffer, or a pooled one."""
+        if in_place:
+            self._alloc_unsharded()
+            return self._unsharded_write
+        size = self.world_size * self.gather_numel
+        if self.custom_all_gather is not None:
+            return self.custom_all_gather.allocate(
+                (size,), dtype=self.gather_dtype, device=self.device
+            )
+        return self._require_comm().host_buffers.empty(size, self.gather_dtype, self.device)
+
+    def _extension_all_gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-gather output and input of a group with extensions: one ``uint8``
+        message per rank, each plain parameter's padded shard (cast to ``param_dtype``)
+        then each extension's inputs, in parameter order, written into this rank's slot of
+        the output; see [Note: groups with extensions]."""
+        if self._extension_mesh is None:
+            self._extension_mesh = _shard_mesh(self.mesh, self.process_group)
+        pieces: list[torch.Tensor] = []
+        for p in self.params:
+            if p.extension is not None:
+                pieces += p.gather_inputs(self._extension_mesh, self.mp_policy, self.device)
+            else:
+                slot = p.shard_slot(self.flat_shard)
+                dtype = self.mp_policy.param_dtype or p.dtype
+                pieces.append(slot.to(self.device, dtype, non_blocking=True))
+        message = [piece.reshape(-1).view(torch.uint8) for piece in pieces]
+        nbytes = sum(m.numel() for m in message)
+        size = self.world_size * nbytes
+        if self.custom_all_gather is not None:
+            output = self.custom_all_gather.allocate((size,), dtype=torch.uint8, device=self.device)
+        else:
+            output = self._require_comm().host_buffers.empty(size, torch.uint8, self.device)
+        slot = output[self.shard_rank * nbytes : (self.shard_rank + 1) * nbytes]
+        return output, torch.cat(message, out=slot)
+
+    def _extension_targets(self) -> list[torch.Tensor]:
+        """Copy-out targets of a group with extensions, as ``uint8`` views in message
+        order: plain parameters' unsharded slots, extensions' persistent outputs."""
+        targets: list[torch.Tensor] = []
+        for p in self.params:
+            if p.extension is not None:
+                targets += p.extension.alloc_outputs(self.world_size, self.device)
+            else:
+                targets.append(self._byte_targets[id(p)])
+        return targets
 
     def _all_gather_input(self, output: torch.Tensor) -> torch.Tensor:
         """The flat shard itself when it is already in the gathered dtype and on the
@@ -506,6 +608,9 @@ class ParamGroup(GradientReduction):
             if in_flight.from_post_forward:
                 ranks, targets = self.post_forward_size, self._post_forward_targets
                 sizes = [t[0].numel() for t in targets]
+            elif self.extensions:
+                ranks, targets = self.world_size, self._extension_targets()
+                sizes = [t[0].numel() for t in targets]
             else:
                 ranks, targets, sizes = self.world_size, self._copy_out_targets, self._gather_sizes
             output = in_flight.output.view(ranks, -1)
@@ -519,6 +624,9 @@ class ParamGroup(GradientReduction):
             comm.release_all_gather_memory()
             if self.custom_all_gather is None:
                 comm.host_buffers.release(in_flight.output)
+        if self.extensions and not in_flight.from_post_forward:
+            for p in self.extensions:
+                p.finish_gather(self.mp_policy.param_dtype or p.dtype)
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
             unsharded = p.require_unsharded_param()
@@ -538,7 +646,8 @@ class ParamGroup(GradientReduction):
                 self._post_forward_shard = self._post_forward_ready = None
                 self.sharded_state = ShardedState.SHARDED
             return
-        keep_partial = post_forward and self.post_forward_size > 0
+        # Extensions rebuild whole parameters: their groups reshard fully after forward.
+        keep_partial = post_forward and self.post_forward_size > 0 and not self.extensions
         if keep_partial:
             index = self._post_forward_index
             chunks = [t[index].reshape(-1) for t in self._post_forward_targets]
@@ -546,6 +655,9 @@ class ParamGroup(GradientReduction):
             self._post_forward_ready = record_event(self._require_comm().streams.compute())
         for p in self.params:
             p.register(p.sharded_param)
+        for p in self.extensions:
+            if p.extension is not None:
+                p.extension.free()
         if self._gather_in_place:
             self._require_comm().release_all_gather_memory()
         self._free_unsharded()
@@ -581,6 +693,16 @@ class ParamGroup(GradientReduction):
                 f"holds no post-forward shard to all-gather"
             )
         return self._post_forward_shard
+
+
+def _shard_mesh(mesh: DeviceMesh, shard_group: Any) -> DeviceMesh:
+    """The 1-D mesh of the shard dim (HSDP: the last dim), which extensions gather over."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if names:
+        return mesh[names[-1]]
+    return DeviceMesh.from_group(shard_group, mesh.device_type)
 
 
 # See [Note: aligned unsharded parameters].

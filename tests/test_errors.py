@@ -200,7 +200,7 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         _sharded_root().set_allocate_memory_from_process_group_for_comm(True)
 
     def all_gather_extension() -> None:
-        class Extended(torch.Tensor):  # declares torch FSDP2's all-gather extension hooks
+        class Extended(torch.Tensor):  # half of torch FSDP2's all-gather extension hooks
             def fsdp_pre_all_gather(self, *args: object) -> None:
                 raise AssertionError("must not be called")
 
@@ -325,8 +325,9 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
     "process_group_allocated_buffers": ("NotImplementedError", r"backend-allocated"),
     "all_gather_extension": (
-        "NotImplementedError",
-        r"parameter 'lin\.weight' is a tensor subclass \(Extended\) with fsdp_pre_all_gather",
+        "TypeError",
+        r"parameter 'lin\.weight' \(Extended\) defines only one of fsdp_pre_all_gather/"
+        r"fsdp_post_all_gather; define fsdp_post_all_gather too",
     ),
     "tp_mesh_outside_dp_parent": (
         "ValueError",
