@@ -355,6 +355,45 @@ def rank_extension_memory_and_errors() -> dict:
     return out
 
 
+def rank_torchao_float8(impl: str) -> dict:
+    """torchao float8 training with float8 all-gather (``Float8LinearConfig(
+    enable_fsdp_float8_all_gather=True)``), scales precomputed after each step; ``ddp``:
+    the same model unsharded on every rank, gradients averaged by hand."""
+    torch.set_num_threads(1)
+    from torchao.float8 import (
+        Float8LinearConfig,
+        convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    # Biases: fp32 plain parameters gathered with the float8 weights (torch's own all-gather
+    # would be typed float8 without them, which gloo rejects).
+    model = _stack(2, 64, 256, bias=True)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    if impl != "ddp":
+        _shard(model, impl)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(3):
+        batch = torch.randn(4 * ws, 16, 64, generator=torch.Generator().manual_seed(step))
+        loss = model(batch[4 * rank : 4 * rank + 4]).square().mean()
+        loss.backward()
+        if impl == "ddp":
+            for param in model.parameters():
+                assert param.grad is not None
+                dist.all_reduce(param.grad)
+                param.grad /= ws
+        optim.step()
+        optim.zero_grad()
+        if impl != "ddp":
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / ws)
+    return {"losses": losses, "params": _state(model)}
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -435,3 +474,23 @@ def test_extension_buffers_are_freed_and_bad_hooks_rejected() -> None:
     assert rep["freed"] == [0, 0]
     assert rep["unsharded"] == [8 * 16 * 2, 16 * 8 * 2]  # bf16 outputs, whole weights
     assert "defines only one of" in rep["one_hook"] and "inp.weight" in rep["one_hook"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torchao_float8_training(world_size: int) -> None:
+    """Where torchao is installed (not a dependency): float8 weights gathered as float8
+    match the unsharded model with averaged gradients, and torch bitwise. With 3 ranks the
+    weights' 256 rows shard unevenly: torchao's hook returns the real shard, which fsdp2
+    pads (torch raises on the padded rank)."""
+    pytest.importorskip("torchao.float8")
+    ours = run_ranks(rank_torchao_float8, world_size, "fsdp2", timeout=300)
+    reference = run_ranks(rank_torchao_float8, world_size, "ddp", timeout=300)
+    for mine, ref in zip(ours, reference):
+        assert max(abs(a - b) for a, b in zip(mine["losses"], ref["losses"])) <= 1e-5
+        for name, value in mine["params"].items():
+            assert (value - ref["params"][name]).abs().max() <= 1e-5, name
+    if world_size == 2:
+        for mine, theirs in zip(ours, run_ranks(rank_torchao_float8, 2, "torch", timeout=300)):
+            assert mine["losses"] == theirs["losses"]
+            for name, value in mine["params"].items():
+                assert torch.equal(value, theirs["params"][name]), name
