@@ -84,3 +84,12 @@ def all_reduce_flat(
 ) -> PendingCollective:
     """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction)."""
     return _issue(stream, dist.all_reduce, tensor, op=op, group=group)
+
+
+def min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
+    """The smallest and largest of every rank's ``value`` (blocking: one small all-reduce,
+    for checks that turn a mismatch, which would hang a collective, into an error)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, neg_low = both.tolist()
+    return -neg_low, high

@@ -105,6 +105,7 @@ from torch.distributed.tensor import DTensor
 from fsdp2._collectives import (
     PendingCollective,
     all_gather_flat,
+    min_and_max,
     wait,
 )
 from fsdp2._comm_context import CommContext
@@ -279,6 +280,7 @@ class ParamGroup(GradientReduction):
         # extensions): typed (param_dtype, or the one dtype) in reduce order, or the shard
         # bytes themselves. ``param_dtype`` is None only for the byte case.
         self.extensions = [p for p in self.params if p.extension is not None]
+        self._message_checked = False  # see _check_message_size
         policy_dtype = self.mp_policy.param_dtype
         if policy_dtype is not None or not self.mixed:
             self.param_dtype: torch.dtype | None = policy_dtype or dtypes[0]
@@ -528,6 +530,8 @@ class ParamGroup(GradientReduction):
                 pieces.append(slot.to(self.device, dtype, non_blocking=True))
         message = [piece.reshape(-1).view(torch.uint8) for piece in pieces]
         nbytes = sum(m.numel() for m in message)
+        if not self._message_checked:
+            self._check_message_size(nbytes)
         size = self.world_size * nbytes
         if self.custom_all_gather is not None:
             output = self.custom_all_gather.allocate((size,), dtype=torch.uint8, device=self.device)
@@ -535,6 +539,27 @@ class ParamGroup(GradientReduction):
             output = self._require_comm().host_buffers.empty(size, torch.uint8, self.device)
         slot = output[self.shard_rank * nbytes : (self.shard_rank + 1) * nbytes]
         return output, torch.cat(message, out=slot)
+
+    def _check_message_size(self, nbytes: int) -> None:
+        """At a layout's first all-gather, check that every rank sends as many bytes: the
+        hooks decide the sizes, and a rank sending another size would hang the others in
+        the collective. Later all-gathers must repeat the layout (``GatherExtension``)."""
+        if self.world_size > 1:
+            low, high = min_and_max(nbytes, self.process_group, self.device)
+            if low != high:
+                inputs = "; ".join(
+                    f"'{p.fqn}': {[tuple(shape) for shape, _ in p.extension.input_layout]}"
+                    for p in self.extensions
+                    if p.extension is not None
+                )
+                raise RuntimeError(
+                    f"fully_shard: {self.label}: ranks send all-gather messages of "
+                    f"{low} to {high} bytes (this rank: {nbytes}); fsdp_pre_all_gather "
+                    f"must return inputs of the same shapes and dtypes on every rank (for "
+                    f"unevenly sharded parameters, the padded shard's shape). Inputs on "
+                    f"this rank: {inputs}"
+                )
+        self._message_checked = True
 
     def _extension_targets(self) -> list[torch.Tensor]:
         """Copy-out targets of a group with extensions, as ``uint8`` views in message

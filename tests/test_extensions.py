@@ -355,6 +355,33 @@ def rank_extension_memory_and_errors() -> dict:
     return out
 
 
+def rank_mismatched_messages() -> str:
+    """A hook that sends one more input on rank 1 than on rank 0: every rank must raise
+    (a collective of different sizes would hang rank 0)."""
+    torch.set_num_threads(1)
+    import fsdp2
+
+    def pre(self: torch.Tensor, mesh: Any, size: Any, stride: Any, module: Any, policy: Any) -> Any:
+        extra = (self[:1].clone(),) if dist.get_rank() == 1 else ()
+        return (self, *extra), None
+
+    def post(
+        self: torch.Tensor, outputs: Any, metadata: Any, dtype: Any, *, out: Any = None
+    ) -> Any:
+        return outputs[0], ()
+
+    model = _stack(1, 8, 16, bias=False)
+    fsdp2.fully_shard(model[0])
+    local = model[0].inp.weight._local_tensor
+    local.fsdp_pre_all_gather = pre.__get__(local)
+    local.fsdp_post_all_gather = post.__get__(local)
+    try:
+        model(torch.randn(2, 8))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 def rank_torchao_float8(impl: str) -> dict:
     """torchao float8 training with float8 all-gather (``Float8LinearConfig(
     enable_fsdp_float8_all_gather=True)``), scales precomputed after each step; ``ddp``:
@@ -474,6 +501,12 @@ def test_extension_buffers_are_freed_and_bad_hooks_rejected() -> None:
     assert rep["freed"] == [0, 0]
     assert rep["unsharded"] == [8 * 16 * 2, 16 * 8 * 2]  # bf16 outputs, whole weights
     assert "defines only one of" in rep["one_hook"] and "inp.weight" in rep["one_hook"]
+
+
+def test_ranks_sending_different_sizes_raise_instead_of_hanging() -> None:
+    for message in run_ranks(rank_mismatched_messages, 2, timeout=60):
+        assert "ranks send all-gather messages of 512 to 544 bytes" in message, message
+        assert "Inputs on this rank: 'inp.weight': [(8, 8)" in message
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
