@@ -180,7 +180,11 @@ class GatherExtension:
             storage = output.untyped_storage()
             if storage.size() < nbytes:
                 storage.resize_(nbytes)
-        return [o.view(-1).view(torch.uint8).view(world_size, -1) for o in self.outputs]
+        # Written through ``.data`` aliases, whose version counters are their own: the
+        # unsharded value may be a view of an output that autograd saved in forward, and a
+        # refill must not look like an in-place edit of it ([Note: storage resize and
+        # autograd] in ``_param``).
+        return [o.data.view(-1).view(torch.uint8).view(world_size, -1) for o in self.outputs]
 
     @torch.no_grad()
     def post_all_gather(

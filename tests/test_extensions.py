@@ -266,9 +266,12 @@ def rank_bf16_gather(impl: str, reshard: bool, dim: int, pad: bool, param_dtype:
     }
 
 
-def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...]) -> dict:
+def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...], bf16: bool) -> dict:
     """Hooks patched onto the local tensors of plain parameters after a meta-device init
-    (as in torch's tests): bf16 all-gather, fp32 compute; the hooks see the shard mesh."""
+    (as in torch's tests): bf16 all-gather, fp32 compute; or (``bf16=False``) the fp32
+    shard gathered as is and wrapped without a copy, so the unsharded weight autograd
+    saved in forward is a view of the hook's all-gather output. The hooks see the shard
+    mesh."""
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -277,13 +280,15 @@ def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...]) -> dict:
     def pre(self: torch.Tensor, mesh: Any, size: Any, stride: Any, module: Any, policy: Any) -> Any:
         seen["calls"] += 1
         seen["mesh"] = (mesh.ndim, mesh.size())
-        return (self.to(torch.bfloat16),), None
+        return (self.to(torch.bfloat16) if bf16 else self,), None
 
     @torch.no_grad()
     def post(
         self: torch.Tensor, outputs: Any, metadata: Any, dtype: Any, *, out: Any = None
     ) -> Any:
         (gathered,) = outputs
+        if not bf16:  # the output itself: refilled in place by the all-gather
+            return None if out is not None else (gathered, (gathered,))
         if out is not None:
             with _unsafe_preserve_version_counter(out):
                 out.copy_(gathered)
@@ -298,7 +303,7 @@ def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...]) -> dict:
     _shard(model, impl, mesh=mesh)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
-    reference = _stack(2, 8, 16, bias=True, cls=RoundedMlp)
+    reference = _stack(2, 8, 16, bias=True, cls=RoundedMlp if bf16 else Mlp)
     from torch.distributed.tensor import distribute_tensor
 
     full = reference.state_dict()
@@ -481,12 +486,17 @@ def test_subclass_gathering_in_bf16(impl: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
-def test_hooks_patched_onto_local_shards(impl: str, mesh_shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(("mesh_shape", "bf16"), [((2,), True), ((2, 2), True), ((2,), False)])
+def test_hooks_patched_onto_local_shards(
+    impl: str, mesh_shape: tuple[int, ...], bf16: bool
+) -> None:
     """Hooks set on plain parameters' local tensors after ``to_empty`` are used (torch's
-    monkey-patch test), and see the 1-D shard mesh under HSDP."""
+    monkey-patch test), and see the 1-D shard mesh under HSDP. Without a cast, the
+    backward's all-gather refills the output that the forward's saved weight views: it
+    must write through an alias of its own version counter (it bumped the output's, and
+    backward failed: "modified by an inplace operation"; fuzzer seed 7006)."""
     require_impl(impl)
-    reports = run_ranks(rank_patched_local_tensors, math.prod(mesh_shape), impl, mesh_shape)
+    reports = run_ranks(rank_patched_local_tensors, math.prod(mesh_shape), impl, mesh_shape, bf16)
     for rep in reports:
         assert rep["calls"] > 0
         assert rep["mesh"] == (1, mesh_shape[-1])
