@@ -143,6 +143,10 @@ class FSDPState:
         # their backward, which may still read the parameters, so the group is not parked.
         self._untracked_calls = 0
         self._backward_epoch = 0  # +1 whenever the count above is reset
+        # This state's current forward, and those whose backward has not started yet; see
+        # [Note: forwards whose backward comes later].
+        self._forward_call: _ForwardCall | None = None
+        self._unopened_forwards: list[_ForwardCall] = []
         # Ever had such a call: only then can gradients land after the post-backward (see
         # ``_finish_backward``), so only then does the final callback look for them.
         self._had_untracked_call = False
@@ -333,7 +337,15 @@ class FSDPState:
         if tree is not None:
             tree.forward_order.append(self)
             self._forward_positions.append(len(tree.forward_order) - 1)
+        forward = self._current_forward()
+        if not forward.opened and not any(f is forward for f in self._unopened_forwards):
+            self._unopened_forwards.append(forward)
         return self._attach_pre_backward(output)
+
+    def _current_forward(self) -> _ForwardCall:
+        if self._forward_call is None:
+            self._forward_call = _ForwardCall(self._backward_epoch)
+        return self._forward_call
 
     def pre_forward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -353,6 +365,7 @@ class FSDPState:
                 torch.is_grad_enabled() and self._pending_backward_calls == 0
             )
             self._claims_this_forward = 0
+            self._forward_call = _ForwardCall(self._backward_epoch, opened=True)
             if self._recompute_registers_backward:
                 args, kwargs = self._claim_post_backward(args, kwargs)
             return args, kwargs
@@ -366,6 +379,7 @@ class FSDPState:
                 group.reshard_if_stale()
         self.training_state = TrainingState.FORWARD
         self._claims_this_forward = 0
+        self._forward_call = _ForwardCall(self._backward_epoch)
         if groups:
             logger.debug("FSDP::pre_forward (%s)", self.fqn)
             for group in groups:
@@ -446,6 +460,7 @@ class FSDPState:
         if self._claims_this_forward == attached:
             self._untracked_calls += 1
             self._had_untracked_call = True
+            self._current_forward().untracked += 1
         return args, kwargs
 
     def _attach_post_backward(
@@ -478,7 +493,9 @@ class FSDPState:
             if x._is_view() and x._base is not None and x._base.grad_fn is not None
         ]
         tensors += [b for b in bases if not any(b is t for t in tensors)]
-        hook = functools.partial(self._pre_backward, self._claims_this_forward)
+        hook = functools.partial(
+            self._pre_backward, self._claims_this_forward, self._current_forward()
+        )
         if len(tensors) == 1:
             # What register_multi_grad_hook(mode="any") does for one tensor, without its
             # per-call set-up (~20 us): a tensor's hook runs once per backward anyway.
@@ -488,9 +505,10 @@ class FSDPState:
         return output
 
     @_run_eagerly
-    def _pre_backward(self, claims: int, *_: Any) -> None:
+    def _pre_backward(self, claims: int, forward: _ForwardCall, *_: Any) -> None:
         """Backward reached an output of one forward call, whose ``claims`` post-backward
         nodes (one per module call of the group) will now run."""
+        forward.opened = True
         tree = self.tree
         if tree is None:
             raise AssertionError("pre-backward before lazy init")
@@ -591,6 +609,8 @@ class FSDPState:
             raise AssertionError("final callback before lazy init")
         logger.debug("FSDP::root_post_backward")
         for state in tree.states:
+            # Forwards whose backward has not started keep their claims for a later one.
+            later = [f for f in state._unopened_forwards if not f.opened and f.live > 0]
             gathered = state._gathered()
             if state._reduced_early and not state._post_backward_done:
                 state._pending_backward_calls = 0  # as if reduced here, which it was
@@ -617,8 +637,12 @@ class FSDPState:
             state._post_backward_done = False
             state._reduced_early = False
             state._open_claims = 0
-            state._untracked_calls = 0
             state._backward_epoch += 1
+            for forward in later:
+                forward.epoch = state._backward_epoch
+            state._unopened_forwards = later
+            state._pending_backward_calls = sum(f.live + f.untracked for f in later)
+            state._untracked_calls = sum(f.untracked for f in later)
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
             state._modules_to_run.clear()
@@ -677,6 +701,7 @@ class FSDPState:
             state._open_claims = 0
             state._untracked_calls = 0
             state._backward_epoch += 1
+            state._unopened_forwards.clear()
             state._modules_to_run.clear()
             for group in state.groups:
                 group.reshard()
@@ -693,6 +718,30 @@ class FSDPState:
         tree.callback_queued = False
 
 
+class _ForwardCall:
+    """One forward of a state (every module call of a list group): its claims not yet
+    settled, its calls without a post-backward node, whether its backward has started, and
+    the backward epoch its claims count in.
+
+    [Note: forwards whose backward comes later]
+    Several forwards may precede their backwards, each backward a separate call (pipeline
+    schedules, microbatches forwarded together): ``loss1, loss2 = m(x1), m(x2)`` then
+    ``loss2.backward()``, ``loss1.backward()``. The final callback of the first backward
+    settles every call of the forwards that took part in it (reducing what they owe), but
+    the calls of a forward whose pre-backward has not fired are still to come: their
+    count is carried into the next backward, so a group of several modules (two claims per
+    forward) is not resharded after its first module's backward while the other still
+    needs the parameters."""
+
+    __slots__ = ("epoch", "live", "opened", "untracked")
+
+    def __init__(self, epoch: int, opened: bool = False) -> None:
+        self.epoch = epoch
+        self.live = 0  # claims (post-backward nodes) neither run nor released
+        self.untracked = 0
+        self.opened = opened
+
+
 class _PendingBackward:
     """One forward call's claim on its group's post-backward.
 
@@ -704,11 +753,12 @@ class _PendingBackward:
     ``_PostBackward`` node is freed without having run, unless the count was reset since.
     """
 
-    __slots__ = ("epoch", "ran", "state", "tree")
+    __slots__ = ("forward", "ran", "state", "tree")
 
     def __init__(self, state: FSDPState) -> None:
         self.state = state
-        self.epoch = state._backward_epoch
+        self.forward = state._current_forward()
+        self.forward.live += 1
         self.ran = False
         self.tree = state.tree
         if self.tree is not None:
@@ -724,10 +774,11 @@ class _PendingBackward:
             return
         self._settle()
         state = self.state
-        if self.epoch == state._backward_epoch:
+        if self.forward.epoch == state._backward_epoch:
             state._pending_backward_calls = max(0, state._pending_backward_calls - 1)
 
     def _settle(self) -> None:
+        self.forward.live -= 1
         if self.tree is not None:
             self.tree.live_claims = max(0, self.tree.live_claims - 1)
 
