@@ -61,6 +61,15 @@ with the reference holds (``PARAM_MESHES``):
   HSDP per-parameter mesh on a 1-D default mesh; ``clip`` then computes the norm from every
   gradient's ``full_tensor()`` (``clip_grad_norm_`` cannot stack norms of several meshes).
 
+From seed ``EXTENSIONS_FROM`` (7000) on (keys absent before), all-gather extensions:
+
+* ``ext``: names of ``nn.Linear`` weights (not tied, not ``Shard(d > 0)``) made
+  ``Gathered`` tensor subclasses before sharding: their ``fsdp_pre_all_gather`` returns
+  the fp32 shard, padded on uneven shards by the hook when ``ext_pad`` (torch's contract)
+  or left to fsdp2 (torch raises), and ``fsdp_post_all_gather`` casts to ``param_dtype``:
+  the same numerics as a plain weight, so parity with the reference holds. The reference
+  keeps plain weights.
+
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
@@ -84,6 +93,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -129,6 +139,8 @@ SHARDING_FROM = 4000
 
 # Seeds from here on also draw per-parameter meshes (``param_mesh``; absent before).
 PER_PARAM_MESH_FROM = 6000
+# From this seed on, some Linear weights use all-gather extensions (``Gathered``).
+EXTENSIONS_FROM = 7000
 
 # Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
 # ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
@@ -494,6 +506,10 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         case["p_raf_int"] = extra3.choice([0.3, 0.7]) if int_raf else 0.0
     if seed >= PER_PARAM_MESH_FROM:
         _draw_param_meshes(case, random.Random(seed * 982451653 + 59))
+    if seed >= EXTENSIONS_FROM:
+        ext_rng = random.Random(seed * 32452843 + 71)
+        case["p_ext"] = ext_rng.choice([0.0, 0.4, 0.8])
+        case["ext_pad"] = ext_rng.random() < 0.7
     case.update(overrides)
     model = Root(case["spec"])
     if "plan" not in overrides:
@@ -508,6 +524,8 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         case["param_mesh"] = _gen_param_mesh(model, case)
     if "p_shard_dim" in case and "shard_dims" not in overrides:
         case["shard_dims"] = _gen_shard_dims(model, case)
+    if "p_ext" in case and "ext" not in overrides:
+        case["ext"] = _gen_ext(model, case)
     if "frozen" not in overrides:
         case["frozen"] = _gen_frozen(model, case)
     if "ops" not in overrides:
@@ -674,6 +692,96 @@ def _gen_shard_dims(model: Root, case: dict) -> list[dict[str, int] | None]:
     return out
 
 
+def _gen_ext(model: Root, case: dict) -> list[str]:
+    """``nn.Linear`` weights to make ``Gathered`` (untied, and sharded on dim 0)."""
+    rng = random.Random(case["plan_seed"] + 5)
+    on_dim = {fqn for dims in case.get("shard_dims") or [] if dims for fqn in dims}
+    first_name = _first_names(model)
+    out = []
+    for mname, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        name = f"{mname}.weight"
+        if first_name.get(id(module.weight)) != name or name in on_dim:
+            continue  # tied to an earlier use, or Shard(d > 0)
+        if case["spec"]["tied"] and mname == "head":
+            continue
+        if rng.random() < case["p_ext"]:
+            out.append(name)
+    return out
+
+
+class Gathered(torch.Tensor):
+    """A weight gathered through all-gather extensions with a plain weight's numerics (see
+    ``EXTENSIONS_FROM``)."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, pad: bool) -> Gathered:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls,
+            data.shape,
+            data.stride(),
+            data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+        )
+
+    def __init__(self, data: torch.Tensor, pad: bool) -> None:
+        self._data = data
+        self._pad = pad
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        data = self._data
+        rows = -(-outer_size[0] // mesh.size())
+        if self._pad and data.shape[0] != rows:
+            padded = data.new_zeros((rows, *data.shape[1:]))
+            padded[: data.shape[0]] = data
+            data = padded
+        return (data,), None
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(
+        self, outputs: Any, metadata: Any, param_dtype: torch.dtype, *, out: Any = None
+    ) -> Any:
+        (gathered,) = outputs
+        if out is not None:
+            if out.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr():
+                with torch.autograd._unsafe_preserve_version_counter(out):
+                    out.copy_(gathered[: out.shape[0]])
+            return None
+        value = gathered.to(param_dtype)
+        return value, (gathered, value)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        pad = next(x._pad for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, cls))
+        out = func(
+            *pytree.tree_map_only(cls, lambda x: x._data, args),
+            **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}),
+        )
+        return pytree.tree_map_only(torch.Tensor, lambda x: cls(x, pad), out)
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["_data"], self._pad
+
+    @staticmethod
+    def __tensor_unflatten__(inner: Any, pad: Any, size: Any, stride: Any) -> torch.Tensor:
+        return Gathered(inner["_data"], pad)
+
+
+def _make_gathered(model: nn.Module, case: dict) -> None:
+    for name in case.get("ext") or []:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        weight = getattr(module, attr)
+        gathered = nn.Parameter(
+            Gathered(weight.detach(), case["ext_pad"]), requires_grad=weight.requires_grad
+        )
+        setattr(module, attr, gathered)
+
+
 def _gen_frozen(model: Root, case: dict) -> list[str]:
     rng = random.Random(case["plan_seed"] + 1)
     frozen: set[str] = set()
@@ -709,8 +817,9 @@ def describe(case: dict) -> str:
     keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
     keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
+    keys += ["ext_pad"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
-    listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops")
+    listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops", "ext")
     lines += [f"{k}={case[k]!r}" for k in listed if k in case]
     return "\n".join(lines)
 
@@ -738,6 +847,7 @@ def features(case: dict) -> set[str]:
     out |= {f"two_fwd_{case['two_fwd']}"} if case["two_fwd"] else set()
     out |= {f"experts_{m}" for m in ("view", "flat") if f"'{m}')" in spec}
     out |= {"hsdp"} if case.get("mesh") else set()
+    out |= {"ext_pad" if case["ext_pad"] else "ext_unpadded"} if case.get("ext") else set()
     if case["accum"] and case.get("accum_mode", "gradient_sync") != "gradient_sync":
         out.add(f"accum_{case['accum_mode']}")
     dims = [d for dims in case.get("shard_dims") or [] if dims for d in dims.values()]
@@ -883,7 +993,8 @@ def _placement(
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full._data if isinstance(full, Gathered) else full
 
 
 def _gather_grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
@@ -1020,6 +1131,7 @@ def run_impls(case: dict, impls: tuple[str, ...] = ("fsdp2", "torch")) -> dict[s
     records = {}
     for impl in impls:
         model = make_model(case)
+        _make_gathered(model, case)
         shard(case, model, impl, mesh, param_meshes)
         records[impl] = train(case, model, rank)
         if rank != 0:

@@ -222,7 +222,12 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # (1, 2) HSDP mesh, an expert bias on (2, 1) with Shard(1), fsdp2 given the DeviceMesh,
 # accumulation with ``set_requires_all_reduce(False)``), 6259 (4 ranks,
 # ``reshard_after_forward=2``, experts called twice on a transposed 2x2 HSDP mesh with
-# Shard(1), gradient clipping). They take about 10 s on 2 cores.
+# Shard(1), gradient clipping). From ``_fuzz.EXTENSIONS_FROM`` (all-gather extensions):
+# 7006 (a head weight wrapped without a copy: the backward's all-gather bumped the version
+# of the weight saved in forward), 7039 (no extension: a list group, two forwards then two
+# backwards, resharded after its first module's backward), 7005 (HSDP, bf16, accumulation
+# with extension weights), 7057 and 7077 (hooks that leave padding to fsdp2, 3 ranks,
+# checkpointing, bf16). They take about 15 s on 2 cores.
 SEEDS = [
     2,
     29,
@@ -249,6 +254,11 @@ SEEDS = [
     6189,
     6209,
     6259,
+    7005,
+    7006,
+    7039,
+    7057,
+    7077,
 ]
 
 FEATURES = {
@@ -260,7 +270,7 @@ FEATURES = {
     "nested_groups", "list_group", "raf_True", "raf_False", "raf_None", "ws2", "ws3",
     "ws4", "hsdp", "raf_2", "shard_dim_1", "shard_dim_2", "experts_view", "experts_flat",
     "accum_all_reduce", "param_mesh", "param_mesh_hsdp", "param_mesh_fsdp",
-    "param_mesh_shard_dim", "param_mesh_raf_int", "param_mesh_raw",
+    "param_mesh_shard_dim", "param_mesh_raf_int", "param_mesh_raw", "ext_pad", "ext_unpadded",
     # training
     "mp", "accum", "zero_grad_keep", "sgd", "adamw", "clip", "eval", "sd_roundtrip",
     "loss_ce", "loss_mse",
