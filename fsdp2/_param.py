@@ -447,15 +447,7 @@ class ShardedParam:
         )
         if value is None:
             return
-        if self.tp_mesh is not None:
-            value = DTensor.from_local(
-                value,
-                self.tp_mesh,
-                self.tp_placements,
-                run_check=False,
-                shape=self.global_shape,
-                stride=_contiguous_stride(self.global_shape),
-            )
+        value = self._with_tp_layout(value)
         self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
 
     def _require_extension(self) -> GatherExtension:
@@ -581,16 +573,7 @@ class ShardedParam:
             unsharded = slot.view(self.shape)
         else:
             unsharded = slot.view(ws * self.rows_per_rank, *self.shape[1:])[: self.shape[0]]
-        if self.tp_mesh is not None:
-            # TP modules compute with DTensor parameters: wrap the TP-local view again.
-            unsharded = DTensor.from_local(
-                unsharded,
-                self.tp_mesh,
-                self.tp_placements,
-                run_check=False,
-                shape=self.global_shape,
-                stride=_contiguous_stride(self.global_shape),
-            )
+        unsharded = self._with_tp_layout(unsharded)
         self.unsharded_param = nn.Parameter(
             unsharded, requires_grad=self.sharded_param.requires_grad
         )
@@ -599,6 +582,20 @@ class ShardedParam:
             # Rank r's shard is the r-th of ws equal spans within each outer index.
             return write.view(self.outer_numel, ws, -1).transpose(0, 1)
         return write.view(ws, (stop - start) // ws)
+
+    def _with_tp_layout(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """A TP parameter's unsharded value (TP-local) wrapped as the DTensor TP modules
+        compute with; any other parameter's as it is."""
+        if self.tp_mesh is None:
+            return unsharded
+        return DTensor.from_local(
+            unsharded,
+            self.tp_mesh,
+            self.tp_placements,
+            run_check=False,
+            shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
+        )
 
     def require_unsharded_param(self) -> nn.Parameter:
         """``unsharded_param``, which exists once the group's lazy init made it."""

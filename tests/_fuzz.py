@@ -716,7 +716,7 @@ class Gathered(torch.Tensor):
     ``EXTENSIONS_FROM``)."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, pad: bool) -> Gathered:
+    def __new__(cls, data: torch.Tensor, pad: bool = True) -> Gathered:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls,
             data.shape,
@@ -726,7 +726,7 @@ class Gathered(torch.Tensor):
             device=data.device,
         )
 
-    def __init__(self, data: torch.Tensor, pad: bool) -> None:
+    def __init__(self, data: torch.Tensor, pad: bool = True) -> None:
         self._data = data
         self._pad = pad
 
@@ -766,9 +766,9 @@ class Gathered(torch.Tensor):
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return ["_data"], self._pad
 
-    @staticmethod
-    def __tensor_unflatten__(inner: Any, pad: Any, size: Any, stride: Any) -> torch.Tensor:
-        return Gathered(inner["_data"], pad)
+    @classmethod
+    def __tensor_unflatten__(cls, inner: Any, pad: Any, size: Any, stride: Any) -> torch.Tensor:
+        return cls(inner["_data"], pad)
 
 
 def _make_gathered(model: nn.Module, case: dict) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
+from _fuzz import Gathered
 from _helpers import IMPLS, get_fully_shard, require_impl
 from _launcher import run_ranks
 from torch import nn
@@ -61,24 +61,9 @@ def _two_tensor_hooks(version: int):
         del TwoTensor.fsdp_post_all_gather  # type: ignore[attr-defined]
 
 
-class BF16Gathered(torch.Tensor):
+class BF16Gathered(Gathered):
     """fp32 weights that all-gather in bf16 and compute in fp32 (what float8 training does
     with float8), padding their uneven last shard themselves when ``pad`` is set."""
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor, pad: bool = True) -> BF16Gathered:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls,
-            data.shape,
-            data.stride(),
-            data.storage_offset(),
-            dtype=data.dtype,
-            device=data.device,
-        )
-
-    def __init__(self, data: torch.Tensor, pad: bool = True) -> None:
-        self._data = data
-        self._pad = pad
 
     def fsdp_pre_all_gather(
         self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any
@@ -101,22 +86,6 @@ class BF16Gathered(torch.Tensor):
             return None
         upcast = gathered.to(param_dtype)
         return upcast, (gathered, upcast)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        pad = next(x._pad for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, cls))
-        out = func(
-            *pytree.tree_map_only(cls, lambda x: x._data, args),
-            **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}),
-        )
-        return pytree.tree_map_only(torch.Tensor, lambda x: cls(x, pad), out)
-
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_data"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: Any, meta: Any, size: Any, stride: Any) -> torch.Tensor:
-        return inner["_data"]
 
 
 def _rounded(w: torch.Tensor) -> torch.Tensor:
@@ -171,13 +140,32 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, TwoTensor):
         assert torch.equal(t.a, t.b)
         t = t.a
-    if isinstance(t, BF16Gathered):
+    if isinstance(t, Gathered):
         t = t._data
     return t.detach().clone()
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: _plain(p) for n, p in model.named_parameters()}
+
+
+def _report(
+    model: nn.Module, losses: list[float], ref: nn.Module, ref_losses: list[float], **extra: Any
+) -> dict:
+    """What a rank returns for a parity check against the non-sharded reference."""
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": _state(model),
+        "ref_params": _state(ref),
+        **extra,
+    }
+
+
+def _assert_matches_reference(rep: dict) -> None:
+    for name, value in rep["params"].items():
+        assert (value - rep["ref_params"][name]).abs().max() <= 1e-5, name
+    assert max(abs(a - b) for a, b in zip(rep["losses"], rep["ref_losses"])) <= 1e-5
 
 
 def _count_all_gathers() -> list[int]:
@@ -229,13 +217,8 @@ def rank_two_tensor_training(impl: str, version: int, reshard: bool | int) -> di
         ref_losses = _train(ref, 4, 8, reference=True)
         _shard(model, impl, reshard_after_forward=reshard)
         losses = _train(model, 4, 8, reference=False)
-        return {
-            "losses": losses,
-            "ref_losses": ref_losses,
-            "params": _state(model),
-            "ref_params": _state(ref),
-            "local_types": sorted({type(p.to_local()).__name__ for p in model.parameters()}),
-        }
+        local_types = sorted({type(p.to_local()).__name__ for p in model.parameters()})
+        return _report(model, losses, ref, ref_losses, local_types=local_types)
 
 
 def rank_bf16_gather(impl: str, reshard: bool, dim: int, pad: bool, param_dtype: Any) -> dict:
@@ -257,13 +240,7 @@ def rank_bf16_gather(impl: str, reshard: bool, dim: int, pad: bool, param_dtype:
     calls = _count_all_gathers() if impl == "fsdp2" else [0]
     losses = _train(model, 3, dim, reference=False)
     ref_losses = _train(ref_rounded, 3, dim, reference=True)
-    return {
-        "all_gathers": calls[0],
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": _state(model),
-        "ref_params": _state(ref_rounded),
-    }
+    return _report(model, losses, ref_rounded, ref_losses, all_gathers=calls[0])
 
 
 def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...], bf16: bool) -> dict:
@@ -317,14 +294,7 @@ def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...], bf16: boo
             local.fsdp_post_all_gather = post.__get__(local)
     losses = _train(model, 3, 8, reference=False)
     ref_losses = _train(reference, 3, 8, reference=True)
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": _state(model),
-        "ref_params": _state(reference),
-        "calls": seen["calls"],
-        "mesh": seen["mesh"],
-    }
+    return _report(model, losses, reference, ref_losses, calls=seen["calls"], mesh=seen["mesh"])
 
 
 def rank_extension_memory_and_errors() -> dict:
@@ -446,9 +416,7 @@ def test_tensor_subclass_parameters_train_like_the_reference_and_torch(
     )
     for rep in ours:
         assert rep["local_types"] == ["TwoTensor"]
-        for name, value in rep["params"].items():
-            assert (value - rep["ref_params"][name]).abs().max() <= 1e-5, name
-        assert max(abs(a - b) for a, b in zip(rep["losses"], rep["ref_losses"])) <= 1e-5
+        _assert_matches_reference(rep)
     for mine, torchs in zip(ours, theirs):
         assert mine["losses"] == torchs["losses"]
         for name, value in mine["params"].items():
@@ -480,9 +448,7 @@ def test_subclass_gathering_in_bf16(impl: str, case: str) -> None:
             # forward and, resharded, backward; the root has no parameters of its own.
             steps, blocks = 3, 2
             assert rep["all_gathers"] == steps * blocks * (2 if reshard else 1)
-        for name, value in rep["params"].items():
-            assert (value - rep["ref_params"][name]).abs().max() <= 1e-5, name
-        assert max(abs(a - b) for a, b in zip(rep["losses"], rep["ref_losses"])) <= 1e-5
+        _assert_matches_reference(rep)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -500,9 +466,7 @@ def test_hooks_patched_onto_local_shards(
     for rep in reports:
         assert rep["calls"] > 0
         assert rep["mesh"] == (1, mesh_shape[-1])
-        for name, value in rep["params"].items():
-            assert (value - rep["ref_params"][name]).abs().max() <= 1e-5, name
-        assert max(abs(a - b) for a, b in zip(rep["losses"], rep["ref_losses"])) <= 1e-5
+        _assert_matches_reference(rep)
 
 
 def test_extension_buffers_are_freed_and_bad_hooks_rejected() -> None:
