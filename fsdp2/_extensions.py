@@ -57,7 +57,8 @@ def is_plain(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, nn.Parameter)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
     stride: list[int] = []
     running = 1
     for size in reversed(shape):
@@ -82,7 +83,7 @@ class GatherExtension:
         self.fqn = fqn
         self.module = module
         self.shape = shape  # the unsharded shape (TP-local for a TP parameter)
-        self.stride = _contiguous_stride(shape)
+        self.stride = contiguous_stride(shape)
         self.padded_shape = padded_shape  # this rank's shard, dim 0 padded
         self.local_shape = local_shape  # this rank's real shard
         self.uneven = uneven  # the parameter's shard group pads it (dim 0 not divisible)
@@ -105,9 +106,12 @@ class GatherExtension:
     ) -> list[torch.Tensor]:
         """Call ``fsdp_pre_all_gather`` on the local shard; return its inputs, contiguous,
         on ``device``, padded to the padded shard where they have the real shard's shape."""
-        if local.device != device:  # CPU offload: the hook sees the shard on the device
-            local = local.to(device, non_blocking=True)
         pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        if local.device != device:
+            # CPU offload: a subclass's hook runs on its copy on the device (as in torch);
+            # hooks patched onto the CPU tensor itself stay with it, and their inputs move.
+            moved = local.to(device, non_blocking=True)
+            pre = getattr(moved, "fsdp_pre_all_gather", pre)
         if self._version(pre) == 1:
             result = pre(mesh)
         else:

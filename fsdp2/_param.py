@@ -84,7 +84,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fsdp2._extensions import GatherExtension, has_gather_extension, is_plain
+from fsdp2._extensions import (
+    GatherExtension,
+    contiguous_stride,
+    has_gather_extension,
+    is_plain,
+)
 
 # (module, attribute name): one place a parameter is registered. Tied weights have several.
 Use = tuple[nn.Module, str]
@@ -132,15 +137,6 @@ def alias_at_offset_zero(view: torch.Tensor) -> torch.Tensor:
         view.data_ptr(),
     )
     return alias if same else view
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride = []
-    running = 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
@@ -395,7 +391,7 @@ class ShardedParam:
             self.placements,
             run_check=False,
             shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
+            stride=contiguous_stride(self.global_shape),
         )
         self.sharded_param = nn.Parameter(dtensor, requires_grad=requires_grad)
         _SHARD_OWNERS[id(self.sharded_param)] = self
@@ -594,7 +590,7 @@ class ShardedParam:
             self.tp_placements,
             run_check=False,
             shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
+            stride=contiguous_stride(self.global_shape),
         )
 
     def require_unsharded_param(self) -> nn.Parameter:
@@ -617,5 +613,5 @@ class ShardedParam:
             self.placements,
             run_check=False,
             shape=self.global_shape,
-            stride=_contiguous_stride(self.global_shape),
+            stride=contiguous_stride(self.global_shape),
         )
