@@ -91,6 +91,8 @@ class GatherExtension:
         self.input_layout: list[tuple[torch.Size, torch.dtype]] = []
         self.outputs: list[torch.Tensor] = []
         self._output_bytes: list[int] = []
+        self._hook_views: tuple[torch.Tensor, ...] = ()
+        self._targets: list[torch.Tensor] = []
         # Inner tensors of the unsharded value allocated apart from ``outputs``.
         self._owned: list[tuple[torch.Tensor, int]] = []
         self._pre_version: tuple[Any, int] | None = None  # (function, parameter count)
@@ -133,13 +135,14 @@ class GatherExtension:
                 )
             inputs.append(self._padded(t.to(device)).contiguous())
         layout = [(t.shape, t.dtype) for t in inputs]
-        if self.outputs and layout != self.input_layout:
-            raise RuntimeError(
-                f"fully_shard: fsdp_pre_all_gather of parameter '{self.fqn}' returned "
-                f"inputs {layout} after {self.input_layout} at an earlier all-gather; their "
-                f"shapes and dtypes must stay the same between all-gathers"
-            )
-        self.input_layout = layout
+        if layout != self.input_layout:
+            if self.outputs:
+                raise RuntimeError(
+                    f"fully_shard: fsdp_pre_all_gather of parameter '{self.fqn}' returned "
+                    f"inputs {layout} after {self.input_layout} at an earlier all-gather; "
+                    f"their shapes and dtypes must stay the same between all-gathers"
+                )
+            self.input_layout = layout
         return inputs
 
     def _version(self, pre: Any) -> int:
@@ -173,22 +176,32 @@ class GatherExtension:
 
     # -- after the collective ---------------------------------------------------------------
     def alloc_outputs(self, world_size: int, device: torch.device) -> list[torch.Tensor]:
-        """The persistent outputs with memory, as ``(world_size, bytes)`` copy-out targets."""
-        layout = [
-            ((world_size * s[0], *s[1:]) if s else (world_size,), d) for s, d in self.input_layout
-        ]
-        if [(tuple(o.shape), o.dtype) for o in self.outputs] != layout:
-            self.outputs = [torch.empty(s, dtype=d, device=device) for s, d in layout]
+        """The persistent outputs with memory, as ``(world_size, bytes)`` copy-out targets
+        (made at the first all-gather; the input layout cannot change after it)."""
+        if not self.outputs:
+            self.outputs = [
+                torch.empty(
+                    (world_size * s[0], *s[1:]) if s else (world_size,), dtype=d, device=device
+                )
+                for s, d in self.input_layout
+            ]
             self._output_bytes = [o.numel() * o.element_size() for o in self.outputs]
+            # The hook sees each output with its input's trailing dims.
+            self._hook_views = tuple(
+                o.view(-1, *s[1:]) if s else o for o, (s, _) in zip(self.outputs, self.input_layout)
+            )
+            # Written through ``.data`` aliases, whose version counters are their own: the
+            # unsharded value may be a view of an output that autograd saved in forward,
+            # and a refill must not look like an in-place edit of it ([Note: storage
+            # resize and autograd] in ``_param``).
+            self._targets = [
+                o.data.view(-1).view(torch.uint8).view(world_size, -1) for o in self.outputs
+            ]
         for output, nbytes in zip(self.outputs, self._output_bytes):
             storage = output.untyped_storage()
             if storage.size() < nbytes:
                 storage.resize_(nbytes)
-        # Written through ``.data`` aliases, whose version counters are their own: the
-        # unsharded value may be a view of an output that autograd saved in forward, and a
-        # refill must not look like an in-place edit of it ([Note: storage resize and
-        # autograd] in ``_param``).
-        return [o.data.view(-1).view(torch.uint8).view(world_size, -1) for o in self.outputs]
+        return self._targets
 
     @torch.no_grad()
     def post_all_gather(
@@ -197,9 +210,7 @@ class GatherExtension:
         """Call ``fsdp_post_all_gather``: the first time, return the unsharded value (the
         parameter's shape, padding cut off); later, refill ``out`` in place."""
         post = local.fsdp_post_all_gather  # type: ignore[attr-defined]
-        outputs = tuple(
-            o.view(-1, *s[1:]) if s else o for o, (s, _) in zip(self.outputs, self.input_layout)
-        )
+        outputs = self._hook_views
         metadata, self.metadata = self.metadata, None
         if out is not None:
             for tensor, nbytes in self._owned:

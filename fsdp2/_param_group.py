@@ -378,11 +378,14 @@ class ParamGroup(GradientReduction):
         # Shard(d > 0) targets are strided: [Note: sharding a dim other than 0] in _param.
         self._strided_copy_out = any(t.dim() != 2 for t in self._copy_out_targets)
         # With extensions every target is written as bytes: [Note: groups with extensions].
-        self._byte_targets = {
-            id(p): t.view(torch.uint8)
-            for p, t in zip(self._gather_params, self._copy_out_targets)
+        self._byte_targets = (
+            {
+                id(p): t.view(torch.uint8)
+                for p, t in zip(self._gather_params, self._copy_out_targets)
+            }
             if self.extensions
-        }
+            else {}
+        )
         self._free_unsharded()
 
     def ensure_shards_bound(self) -> None:
@@ -506,12 +509,13 @@ class ParamGroup(GradientReduction):
         if in_place:
             self._alloc_unsharded()
             return self._unsharded_write
-        size = self.world_size * self.gather_numel
+        return self._gather_buffer(self.world_size * self.gather_numel, self.gather_dtype)
+
+    def _gather_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new all-gather output: a custom all-gather's buffer, or a pooled one."""
         if self.custom_all_gather is not None:
-            return self.custom_all_gather.allocate(
-                (size,), dtype=self.gather_dtype, device=self.device
-            )
-        return self._require_comm().host_buffers.empty(size, self.gather_dtype, self.device)
+            return self.custom_all_gather.allocate((numel,), dtype=dtype, device=self.device)
+        return self._require_comm().host_buffers.empty(numel, dtype, self.device)
 
     def _extension_all_gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The all-gather output and input of a group with extensions: one ``uint8``
@@ -532,11 +536,7 @@ class ParamGroup(GradientReduction):
         nbytes = sum(m.numel() for m in message)
         if not self._message_checked:
             self._check_message_size(nbytes)
-        size = self.world_size * nbytes
-        if self.custom_all_gather is not None:
-            output = self.custom_all_gather.allocate((size,), dtype=torch.uint8, device=self.device)
-        else:
-            output = self._require_comm().host_buffers.empty(size, torch.uint8, self.device)
+        output = self._gather_buffer(self.world_size * nbytes, torch.uint8)
         slot = output[self.shard_rank * nbytes : (self.shard_rank + 1) * nbytes]
         return output, torch.cat(message, out=slot)
 

@@ -337,9 +337,13 @@ class FSDPState:
         if tree is not None:
             tree.forward_order.append(self)
             self._forward_positions.append(len(tree.forward_order) - 1)
+        # Forwards whose graphs are gone (no live claim) drop out here, so grad-enabled
+        # forwards that never reach a backward do not pile up.
         forward = self._current_forward()
-        if not forward.opened and not any(f is forward for f in self._unopened_forwards):
-            self._unopened_forwards.append(forward)
+        pending = [f for f in self._unopened_forwards if f.live > 0 and not f.opened]
+        if not forward.opened and not any(f is forward for f in pending):
+            pending.append(forward)
+        self._unopened_forwards = pending
         return self._attach_pre_backward(output)
 
     def _current_forward(self) -> _ForwardCall:

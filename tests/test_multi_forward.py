@@ -251,3 +251,29 @@ def test_group_of_modules_two_forwards_two_backwards(order: str) -> None:
         assert diff <= TOL, f"[rank {rank}] {name} differs by {diff:.3g}"
         for p, q in zip(a["params"], b["params"]):
             assert torch.equal(p, q)
+
+
+def _forwards_without_backward(impl: str) -> list[int]:
+    """Grad-enabled forwards whose outputs are dropped (a validation loop without
+    ``no_grad``): per state, the forwards kept as waiting for a backward after the loop
+    (then one training step, which must still work)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    fully_shard = get_fully_shard(impl)
+    fully_shard([model[1], model[2]])
+    fully_shard(model)
+    for _ in range(20):
+        model(torch.randn(2, 8)).sum()  # graph dropped at once
+    states = {
+        id(m._fsdp_state): m._fsdp_state for m in model.modules() if hasattr(m, "_fsdp_state")
+    }
+    counts = [len(s._unopened_forwards) for s in states.values()]
+    model(torch.randn(2, 8)).sum().backward()
+    return counts
+
+
+def test_forwards_without_backward_do_not_pile_up() -> None:
+    """Each state keeps the forwards whose backward may still come; those whose graph is
+    gone drop out at the next forward, so a long grad-enabled loop holds nothing."""
+    for counts in run_ranks(_forwards_without_backward, 2, "fsdp2"):
+        assert counts and max(counts) <= 1, counts  # at most the last forward's
