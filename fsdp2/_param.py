@@ -385,14 +385,7 @@ class ShardedParam:
                 with torch.no_grad():
                     local.copy_(full.narrow(self.shard_dim, self.first_row, self.local_rows))
         self._local_layout = (local.shape, local.stride())
-        dtensor = DTensor.from_local(
-            local,
-            self.dtensor_mesh,
-            self.placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=contiguous_stride(self.global_shape),
-        )
+        dtensor = self._global(local, self.dtensor_mesh, self.placements)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=requires_grad)
         _SHARD_OWNERS[id(self.sharded_param)] = self
         # Gradients share the parameter's spec (mesh, placements, global shape). Building
@@ -584,14 +577,7 @@ class ShardedParam:
         compute with; any other parameter's as it is."""
         if self.tp_mesh is None:
             return unsharded
-        return DTensor.from_local(
-            unsharded,
-            self.tp_mesh,
-            self.tp_placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=contiguous_stride(self.global_shape),
-        )
+        return self._global(unsharded, self.tp_mesh, self.tp_placements)
 
     def require_unsharded_param(self) -> nn.Parameter:
         """``unsharded_param``, which exists once the group's lazy init made it."""
@@ -607,10 +593,15 @@ class ShardedParam:
         meta = self._spec.tensor_meta  # set: the spec was built with shape and stride
         if meta is not None and local_grad.dtype == meta.dtype:
             return DTensor(local_grad, self._spec, requires_grad=False)
-        return DTensor.from_local(  # a dtype the cached spec does not describe
-            local_grad,
-            self.dtensor_mesh,
-            self.placements,
+        # A dtype the cached spec does not describe.
+        return self._global(local_grad, self.dtensor_mesh, self.placements)
+
+    def _global(self, local: torch.Tensor, mesh: DeviceMesh, placements: Any) -> DTensor:
+        """``local`` as this rank's part of a DTensor of the parameter's global shape."""
+        return DTensor.from_local(
+            local,
+            mesh,
+            placements,
             run_check=False,
             shape=self.global_shape,
             stride=contiguous_stride(self.global_shape),
