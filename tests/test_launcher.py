@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import _launcher
 import pytest
@@ -219,10 +220,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
 @pytest.mark.parametrize("how", ["normal_exit", "sigkill"])
-def test_workers_exit_with_parent(how: str) -> None:
+def test_workers_exit_with_parent(how: str, tmp_path: Path) -> None:
     script = _CHILD_SCRIPT.format(tests_dir=os.path.dirname(os.path.abspath(__file__)), how=how)
+    # A SIGKILLed parent cannot remove its pools' rendezvous folders: keep them in tmp_path.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
     )
     lines = proc.stdout.split()
     assert len(lines) == 3, (proc.returncode, proc.stdout, proc.stderr)
