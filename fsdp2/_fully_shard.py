@@ -29,8 +29,6 @@ from fsdp2._init import (
     move_states_to_device,
     placement_of,
     post_forward_group,
-    reject_spmd_dtensors,
-    resolve_dp_mesh_dims,
     resolve_mesh,
     validate_modules,
     validate_reshard_after_forward,
@@ -44,6 +42,7 @@ from fsdp2._policies import (
     validate_mp_policy,
     validate_offload_policy,
 )
+from fsdp2._spmd import SpmdMesh, check_spmd_param, resolve_spmd_mesh
 from fsdp2._state import FSDPState, TrainingState
 
 _FSDP_CLASSES: dict[type, type] = {}
@@ -111,11 +110,11 @@ def fully_shard(
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients in CPU memory.
         ignored_params: parameters to leave unsharded and unmanaged.
         dp_mesh_dims: torch >= 2.13's ``DataParallelMeshDims(shard=..., replicate=...)``
-            naming the data-parallel dims of ``mesh``. Supported where those are all of
-            ``mesh``'s dims (several shard dims are flattened; HSDP: one replicate dim,
-            then one shard dim) and the parameters are plain tensors (torch's SPMD mode,
-            with ``DTensor`` parameters on ``mesh``, raises ``NotImplementedError``).
-            Otherwise pass the data-parallel submesh as ``mesh`` (see docs/meshes.md).
+            naming the data-parallel dims of ``mesh`` (torch's SPMD mode): the parameters
+            are ``DTensor``s on ``mesh``, replicated over those dims and laid out by the
+            user over the others (TP), and the forward computes with ``DTensor``s.
+            Several shard (or replicate) dims are flattened; replicate only is DDP. See
+            docs/spmd.md.
 
     Returns:
         The same module object(s), now also instances of ``FSDPModule``.
@@ -125,15 +124,23 @@ def fully_shard(
     validate_shard_placement_fn(shard_placement_fn)
     mp_policy = validate_mp_policy(mp_policy)
     offload_policy = validate_offload_policy(offload_policy)
+    spmd = None
     if dp_mesh_dims is not None:
-        spmd_mesh = mesh
-        mesh = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
-        reject_spmd_dtensors(modules, cast(DeviceMesh, spmd_mesh), ignored_params)
+        spmd = resolve_spmd_mesh(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                "fully_shard: reshard_after_forward as int is not supported with an SPMD "
+                "mesh (dp_mesh_dims), as in torch; pass True or False."
+            )
+        mesh = spmd.dp_mesh
     mesh = resolve_mesh(mesh)
     reshard_after_forward = validate_reshard_after_forward(reshard_after_forward, mesh)
     device = mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     found = collect_params(modules, ignored_params)
+    if spmd is not None:
+        for param, _, fqn in found:
+            check_spmd_param(param, spmd, fqn)
     groups = _build_groups(
         found,
         mesh,
@@ -143,6 +150,7 @@ def fully_shard(
         reshard_after_forward,
         mp_policy,
         offload_policy,
+        spmd,
     )
     move_states_to_device(modules, device)
     state = FSDPState(
@@ -166,6 +174,7 @@ def _build_groups(
     reshard_after_forward: bool | int | None,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
+    spmd: SpmdMesh | None = None,
 ) -> list[ParamGroup]:
     """One ``ParamGroup`` per mesh the parameters are sharded over: ``mesh``, plus any
     per-parameter mesh ``shard_placement_fn`` returns ([Note: per-parameter meshes] in
@@ -192,7 +201,13 @@ def _build_groups(
         sharded: list[ShardedParam] = []
         offset = 0
         for param, uses, fqn, dim in members:
-            sp = ShardedParam(param, uses, fqn, group_mesh, offset, dim)
+            if spmd is not None and group_mesh is not mesh:
+                raise NotImplementedError(
+                    f"fully_shard(dp_mesh_dims=...) on {label}: shard_placement_fn returned a "
+                    f"mesh of its own for '{fqn}'; with dp_mesh_dims return Shard(dim) or "
+                    f"None, or shard that module in a fully_shard call of its own."
+                )
+            sp = ShardedParam(param, uses, fqn, group_mesh, offset, dim, spmd)
             offset += sp.padded_numel
             sharded.append(sp)
         group_label = label

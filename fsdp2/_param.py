@@ -90,6 +90,7 @@ from fsdp2._extensions import (
     has_gather_extension,
     is_plain,
 )
+from fsdp2._spmd import SpmdMesh, local_gradient_placements, sharded_layout
 
 # (module, attribute name): one place a parameter is registered. Tied weights have several.
 Use = tuple[nn.Module, str]
@@ -221,6 +222,7 @@ class ShardedParam:
         mesh: DeviceMesh,
         offset: int,
         shard_dim: int = 0,
+        spmd: SpmdMesh | None = None,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -234,6 +236,8 @@ class ShardedParam:
         # DTensor on their common parent mesh, the unsharded one the original TP DTensor.
         self.tp_mesh: DeviceMesh | None = None
         self.tp_placements: tuple[Any, ...] = ()
+        # torch's SPMD mode (dp_mesh_dims): the DTensor is on the whole mesh; see ``_spmd``.
+        self.spmd: SpmdMesh | None = None
         self.global_shape = param.shape
         self.dtensor_mesh = mesh
         # All-gather extensions: a tensor subclass with the hooks keeps its own storage
@@ -242,8 +246,12 @@ class ShardedParam:
         source = param.to_local() if isinstance(param, DTensor) else param
         self.apart = has_gather_extension(source, fqn) and not is_plain(source)
         self.extension: GatherExtension | None = None
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and spmd is not None:
+            self.tp_mesh, self.tp_placements, self.spmd = spmd.mesh, tuple(param.placements), spmd
+            self.dtensor_mesh, self.placements = sharded_layout(spmd, self.tp_placements, shard_dim)
+        elif isinstance(param, DTensor):
             self._init_tensor_parallel(param, mesh, fqn, shard_dim)
+        if isinstance(param, DTensor):
             self.shape = param.to_local().shape  # all layout below is TP-local
             dp_size = mesh.size(mesh.ndim - 1)
             if shard_dim and self.shape[shard_dim] % dp_size:
@@ -366,7 +374,11 @@ class ShardedParam:
                 # DTensor's backward may lay a gradient out differently from its parameter
                 # (a row-sharded embedding gets a replicated one): its local part would not
                 # be this rank's TP shard. Bring it to the parameter's TP placements.
-                tensor = tensor.redistribute(placements=self.tp_placements)
+                target = self.tp_placements
+                if self.spmd is not None:
+                    target = local_gradient_placements(self.spmd, tensor, target)
+                if target != tuple(tensor.placements):
+                    tensor = tensor.redistribute(placements=target)
             tensor = tensor.to_local()
         if not self.shard_dim:
             return tensor

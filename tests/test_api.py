@@ -160,6 +160,7 @@ MODULE_CHAIN = [
     "_comm_context",
     "_host_buffers",
     "_param",
+    "_spmd",
     "_extensions",
     "_collectives",
     "_stream_utils",

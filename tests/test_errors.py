@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -113,22 +114,45 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def dp_mesh_dims() -> None:
         fsdp2.fully_shard(Block(), mesh=_mesh(), dp_mesh_dims=object())  # type: ignore[call-arg]
 
-    def dp_mesh_dims_with_dtensor_params() -> None:
-        import types
-
-        from torch.distributed.tensor import distribute_module
-
-        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-        block = distribute_module(Block(), world)
-        dims = types.SimpleNamespace(shard="dp", replicate=None)
-        fsdp2.fully_shard(block, mesh=world, dp_mesh_dims=dims)
-
-    def dp_mesh_dims_beyond_data_parallel() -> None:
-        import types
-
+    def dp_mesh_dims_plain_params() -> None:
         world = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
         dims = types.SimpleNamespace(shard="dp", replicate=None)
         fsdp2.fully_shard(Block(), mesh=world, dp_mesh_dims=dims)
+
+    def dp_mesh_dims_sharded_on_dp() -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        block = Block()
+        for name, param in list(block.lin.named_parameters()):
+            placement = Shard(0) if name == "weight" else Replicate()
+            dtensor = torch.nn.Parameter(distribute_tensor(param.detach(), world, [placement]))
+            block.lin.register_parameter(name, dtensor)
+        dims = types.SimpleNamespace(shard="dp", replicate=None)
+        fsdp2.fully_shard(block, mesh=world, dp_mesh_dims=dims)
+
+    def dp_mesh_dims_other_mesh() -> None:
+        from torch.distributed.tensor import distribute_module
+
+        block = distribute_module(Block(), init_device_mesh("cpu", (dist.get_world_size(),)))
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        dims = types.SimpleNamespace(shard="dp", replicate=None)
+        fsdp2.fully_shard(block, mesh=world, dp_mesh_dims=dims)
+
+    def dp_mesh_dims_unknown_name() -> None:
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        dims = types.SimpleNamespace(shard="fsdp", replicate=None)
+        fsdp2.fully_shard(Block(), mesh=world, dp_mesh_dims=dims)
+
+    def dp_mesh_dims_nothing_named() -> None:
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        dims = types.SimpleNamespace(shard=None, replicate=None)
+        fsdp2.fully_shard(Block(), mesh=world, dp_mesh_dims=dims)
+
+    def dp_mesh_dims_reshard_int() -> None:
+        world = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+        dims = types.SimpleNamespace(shard="dp", replicate=None)
+        fsdp2.fully_shard(Block(), mesh=world, dp_mesh_dims=dims, reshard_after_forward=2)
 
     def reshard_int_not_divisor() -> None:
         fsdp2.fully_shard(Block(), mesh=_mesh(), reshard_after_forward=3)
@@ -274,14 +298,21 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "mesh_not_a_device_mesh": ("TypeError", r"expects a DeviceMesh, got str"),
     "mesh_3d": ("ValueError", r"got a 3-D mesh"),
     "dp_mesh_dims": ("TypeError", r"dp_mesh_dims=.*expects a DataParallelMeshDims"),
-    "dp_mesh_dims_with_dtensor_params": (
-        "NotImplementedError",
-        r"parameter 'lin\.weight' is a DTensor on the mesh itself.*distribute_module",
+    "dp_mesh_dims_plain_params": (
+        "ValueError",
+        r"all parameters must be DTensors.*plain tensor for parameter 'lin\.weight'",
     ),
-    "dp_mesh_dims_beyond_data_parallel": (
-        "NotImplementedError",
-        r"dims \['tp'\] beyond the data-parallel ones.*mesh=world\['dp'\]",
+    "dp_mesh_dims_sharded_on_dp": (
+        "ValueError",
+        r"'lin\.weight': Expected Replicate\(\) on DP shard dim 'dp' \(index 0\) but got S\(0\)",
     ),
+    "dp_mesh_dims_other_mesh": ("ValueError", r"'lin\.weight' is a DTensor on .*same mesh"),
+    "dp_mesh_dims_unknown_name": (
+        "ValueError",
+        r"Mesh dim name 'fsdp' not found in mesh\.mesh_dim_names \('dp',\)",
+    ),
+    "dp_mesh_dims_nothing_named": ("ValueError", r"At least one of shard or replicate"),
+    "dp_mesh_dims_reshard_int": ("NotImplementedError", r"reshard_after_forward as int"),
     "reshard_int_not_divisor": (
         "ValueError",
         r"reshard_after_forward=3.*divisor of the shard group",
