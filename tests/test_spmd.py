@@ -81,6 +81,9 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
     "tp_fsdp": ((2, 2), ("tp", "fsdp"), "fsdp", None, True, False, True),
     "hsdp_tp": ((1, 2, 2), ("rep", "fsdp", "tp"), "fsdp", "rep", True, True, True),
     "two_replicate_dims": ((1, 2, 2), ("r1", "r2", "fsdp"), "fsdp", ("r1", "r2"), False, False, True),
+    "ddp_tp": ((2, 2), ("ddp", "tp"), None, "ddp", True, False, True),
+    # torchtitan's full-DTensor mesh: HSDP over (dp_shard, cp) flattened, then TP.
+    "hsdp_cp_tp": ((1, 1, 2, 2), ("rep", "dps", "cp", "tp"), ("dps", "cp"), "rep", True, False, True),
 }  # fmt: skip
 
 
