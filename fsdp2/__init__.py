@@ -23,12 +23,18 @@ from fsdp2._fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp2._policies import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "ModelOptimizerState",

@@ -42,6 +42,43 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
+@dataclass
+class DataParallelMeshDims:
+    """The data-parallel dims of the mesh passed to ``fully_shard(..., dp_mesh_dims=...)``
+    (torch 2.13's SPMD mode; see docs/spmd.md).
+
+    - ``shard``: the dim name(s) parameters are sharded over; several are flattened into
+      one shard dim.
+    - ``replicate``: the dim name(s) parameters are replicated over (HSDP, or DDP without
+      ``shard``); several are flattened into one.
+    At least one must be set. torch's class of the same name is accepted too.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "At least one of shard or replicate must be set in DataParallelMeshDims "
+                "(e.g. DataParallelMeshDims(shard='dp'))."
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _dim_names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _dim_names(self.replicate)
+
+
+def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 _MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
 

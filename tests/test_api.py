@@ -12,6 +12,7 @@ import fsdp2
 def test_all_is_pinned() -> None:
     assert fsdp2.__all__ == [
         "CPUOffloadPolicy",
+        "DataParallelMeshDims",
         "FSDPModule",
         "MixedPrecisionPolicy",
         "ModelOptimizerState",
@@ -28,6 +29,22 @@ def test_all_is_pinned() -> None:
     ]
     for name in fsdp2.__all__:
         assert getattr(fsdp2, name) is not None
+
+
+def test_data_parallel_mesh_dims_matches_torch() -> None:
+    """``fsdp2.DataParallelMeshDims`` has torch's fields, defaults, name properties and
+    empty-spec error, so ``from fsdp2 import DataParallelMeshDims`` switches by import."""
+    torch_fsdp = pytest.importorskip("torch.distributed.fsdp")
+    theirs = getattr(torch_fsdp, "DataParallelMeshDims", None)
+    ours = fsdp2.DataParallelMeshDims
+    if theirs is not None:
+        assert list(ours.__dataclass_fields__) == list(theirs.__dataclass_fields__)
+    dims = ours(shard=("dp_shard", "cp"), replicate="dp_replicate")
+    assert dims.shard_names == ("dp_shard", "cp")
+    assert dims.replicate_names == ("dp_replicate",)
+    assert ours(replicate="ddp").shard_names == ()
+    with pytest.raises(ValueError, match="At least one of shard or replicate"):
+        ours()
 
 
 def test_policies_match_torch_defaults() -> None:

@@ -229,9 +229,13 @@ def _train_sharded_batch(case: str) -> dict:
     shape, names, opts = SHARDED_BATCH[case]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     dp_rank, dp_size = _dp_group(mesh, names)
-    dims = DataParallelMeshDims(shard="dp", replicate="rep" if "rep" in names else None)
+    import fsdp2
+
     out: dict[str, Any] = {}
     for impl in ("fsdp2", "torch"):
+        # Each implementation's own DataParallelMeshDims (fsdp2 exports one, as torch).
+        cls = fsdp2.DataParallelMeshDims if impl == "fsdp2" else DataParallelMeshDims
+        dims = cls(shard="dp", replicate="rep" if "rep" in names else None)
         torch.manual_seed(0)
         model = Stack()
         ref = copy.deepcopy(model)
