@@ -14,6 +14,8 @@ runs it on its own threads while Python goes on, and the consumer waits on the `
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -93,3 +95,68 @@ def min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> t
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, neg_low = both.tolist()
     return -neg_low, high
+
+
+def backend_allocates(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group``'s backend on ``device`` offers its own allocator for communication
+    buffers (NCCL's, which can then use zero-copy transfers over NVLink SHARP or
+    InfiniBand); gloo does not."""
+    try:
+        backend = group._get_backend(device)
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    supports = getattr(backend, "supports_tensor_alloc", None)
+    return bool(supports is not None and supports(device))
+
+
+def backend_tensor(
+    group: dist.ProcessGroup, size: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A 1-D buffer of ``prod(size)`` elements from ``group``'s backend allocator."""
+    backend = group._get_backend(device)
+    return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
+
+
+class BackendAllocatedAllGather:
+    """torch's ``AllGather`` protocol (``allocate`` and ``__call__``) with the output
+    buffer from the process group's backend; ``set_allocate_memory_from_process_group_for_comm``."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return backend_tensor(self.group, size, dtype, device)
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any:
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+class BackendAllocatedReduceScatter:
+    """torch's ``ReduceScatter`` protocol with the input and output buffers from the
+    process group's backend."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def allocate(
+        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return backend_tensor(self.group, size, dtype, device)
+
+    def __call__(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)

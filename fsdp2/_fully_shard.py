@@ -18,6 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp2._collectives import (
+    BackendAllocatedAllGather,
+    BackendAllocatedReduceScatter,
+    backend_allocates,
+)
 from fsdp2._comm_context import CommContext
 from fsdp2._init import (
     check_param_device,
@@ -500,12 +505,33 @@ class FSDPModule:
             group.custom_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        if enable:
-            raise NotImplementedError(
-                f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm(True): "
-                f"backend-allocated communication buffers are not supported by fsdp2 yet; "
-                f"buffers come from the caching allocator of the mesh's device."
+        """Allocate this module's all-gather outputs and reduce-scatter buffers with the
+        process group backend's own allocator where it has one (NCCL: zero-copy transfers
+        over NVLink SHARP / InfiniBand), through the same path as
+        ``set_custom_all_gather`` / ``set_custom_reduce_scatter``. Backends without one
+        (gloo) keep the default buffers, as torch falls back to ``torch.empty``: the
+        call is then accepted and changes nothing. Not combinable with a custom
+        all-gather or reduce-scatter. This module's groups only."""
+        if not isinstance(enable, bool):
+            raise TypeError(
+                f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm "
+                f"expects a bool, got {enable!r}."
             )
+        ours = (BackendAllocatedAllGather, BackendAllocatedReduceScatter)
+        for group in self._fsdp_state.groups:
+            custom = [group.custom_all_gather, group.custom_reduce_scatter]
+            if any(c is not None and not isinstance(c, ours) for c in custom):
+                raise RuntimeError(
+                    f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm: "
+                    f"this module has a custom all-gather or reduce-scatter "
+                    f"(set_custom_all_gather / set_custom_reduce_scatter), which allocates "
+                    f"its own buffers; use one or the other."
+                )
+            if enable and backend_allocates(group.process_group, group.device):
+                group.custom_all_gather = BackendAllocatedAllGather(group.process_group)
+                group.custom_reduce_scatter = BackendAllocatedReduceScatter(group.process_group)
+            elif not enable:
+                group.custom_all_gather = group.custom_reduce_scatter = None
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True

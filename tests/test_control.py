@@ -24,6 +24,7 @@ Where torch differs (documented in docs/torch_mapping.md):
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Any
 
@@ -693,6 +694,75 @@ def test_custom_all_gather_and_reduce_scatter(impl: str, single_param_blocks: bo
         # every group reduce-scatters once.
         assert ag_calls == 3 * 9 and ag_allocations == ag_calls, report
         assert rs_calls == 3 * 5 and rs_allocations == 2 * rs_calls, report
+
+
+def process_group_allocated_buffers(impl: str, backend_can_allocate: bool) -> dict:
+    """``set_allocate_memory_from_process_group_for_comm(True)`` on every sharded module,
+    three AdamW steps, then ``False`` and one more. gloo has no backend allocator, so the
+    call changes nothing (as in torch); ``backend_can_allocate`` (fsdp2 only) pretends it
+    has one, counting the buffers it hands out."""
+    import fsdp2._collectives as collectives
+    import fsdp2._fully_shard as api
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    allocations: list[tuple[int, ...]] = []
+    saved = (api.backend_allocates, collectives.backend_tensor)
+    if backend_can_allocate:
+
+        def fake_tensor(group: Any, size: Any, dtype: Any, device: Any) -> torch.Tensor:
+            allocations.append(tuple(size))
+            return torch.empty(math.prod(size), dtype=dtype, device=device)
+
+        api.backend_allocates = lambda group, device: True  # type: ignore[assignment]
+        collectives.backend_tensor = fake_tensor  # type: ignore[assignment]
+    try:
+        ref = build_net()
+        model = shard_net(clone_model(ref), impl)
+        modules = fsdp_modules(model, impl)
+        for module in modules:
+            module.set_allocate_memory_from_process_group_for_comm(True)
+        installed = impl == "fsdp2" and any(
+            g.custom_all_gather is not None for m in modules for g in m._fsdp_state.groups
+        )
+        opt, ref_opt = adamw(model), adamw(ref)
+        for step in range(4):
+            if step == 3:
+                for module in modules:
+                    module.set_allocate_memory_from_process_group_for_comm(False)
+                during = len(allocations)
+            batch = global_batch(step, 8)
+            _train_step(model, opt, batch, rank, ws)
+            reference_step(ref, ref_opt, batch)
+    finally:
+        api.backend_allocates, collectives.backend_tensor = saved
+    return {
+        "diff": max_param_diff(ref, model)[1],
+        "installed": installed,
+        "during": len(allocations) if not backend_can_allocate else during,
+        "after": len(allocations),
+    }
+
+
+@pytest.mark.parametrize(
+    ("impl", "backend_can_allocate"),
+    [("fsdp2", False), ("torch", False), ("fsdp2", True)],
+    ids=["fsdp2-gloo", "torch-gloo", "fsdp2-allocating-backend"],
+)
+def test_process_group_allocated_buffers(impl: str, backend_can_allocate: bool) -> None:
+    """torch's ``set_allocate_memory_from_process_group_for_comm``: on gloo it is accepted
+    and changes nothing; with a backend that allocates, every all-gather output and
+    reduce-scatter buffer comes from it until it is switched off; training is unchanged
+    either way. fsdp2 raised NotImplementedError."""
+    require_impl(impl)
+    for report in run_ranks(process_group_allocated_buffers, 2, impl, backend_can_allocate):
+        assert report["diff"] <= TOL, report["diff"]
+        assert report["installed"] is backend_can_allocate
+        if backend_can_allocate:
+            # Three steps: 9 all-gathers (4 blocks twice, the root once) and 5 groups
+            # reduce-scattering (input and output) per step; none after switching off.
+            assert report["during"] == 3 * (9 + 2 * 5) == report["after"], report
+        else:
+            assert report["during"] == report["after"] == 0
 
 
 CONTROL_DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "control.md"

@@ -220,8 +220,17 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def symm_mem_for_comm() -> None:
         _sharded_root().set_symm_mem_for_comm()
 
-    def process_group_allocated_buffers() -> None:
-        _sharded_root().set_allocate_memory_from_process_group_for_comm(True)
+    def process_group_allocated_buffers_with_custom_comm() -> None:
+        class Comm:
+            def allocate(self, *args: object, **kwargs: object) -> None:
+                raise AssertionError("must not be called")
+
+            def __call__(self, *args: object, **kwargs: object) -> None:
+                raise AssertionError("must not be called")
+
+        block = _sharded_root().a
+        block.set_custom_all_gather(Comm())
+        block.set_allocate_memory_from_process_group_for_comm(True)
 
     def all_gather_extension() -> None:
         class Extended(torch.Tensor):  # half of torch FSDP2's all-gather extension hooks
@@ -354,7 +363,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"set_separate_reduce_scatter_group expects a bool, got 1",
     ),
     "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
-    "process_group_allocated_buffers": ("NotImplementedError", r"backend-allocated"),
+    "process_group_allocated_buffers_with_custom_comm": (
+        "RuntimeError",
+        r"set_allocate_memory_from_process_group_for_comm: this module has a custom all-gather",
+    ),
     "all_gather_extension": (
         "TypeError",
         r"parameter 'lin\.weight' \(Extended\) defines only one of fsdp_pre_all_gather/"
