@@ -117,9 +117,10 @@ def backend_tensor(
     return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
 
 
-class BackendAllocatedAllGather:
-    """torch's ``AllGather`` protocol (``allocate`` and ``__call__``) with the output
-    buffer from the process group's backend; ``set_allocate_memory_from_process_group_for_comm``."""
+class _BackendAllocated:
+    """torch's ``allocate`` half of its ``AllGather`` / ``ReduceScatter`` protocol, with
+    buffers from the process group's backend
+    (``set_allocate_memory_from_process_group_for_comm``)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -128,6 +129,10 @@ class BackendAllocatedAllGather:
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return backend_tensor(self.group, size, dtype, device)
+
+
+class BackendAllocatedAllGather(_BackendAllocated):
+    """An all-gather whose output buffer comes from the backend."""
 
     def __call__(
         self,
@@ -139,17 +144,8 @@ class BackendAllocatedAllGather:
         return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
 
 
-class BackendAllocatedReduceScatter:
-    """torch's ``ReduceScatter`` protocol with the input and output buffers from the
-    process group's backend."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return backend_tensor(self.group, size, dtype, device)
+class BackendAllocatedReduceScatter(_BackendAllocated):
+    """A reduce-scatter whose input and output buffers come from the backend."""
 
     def __call__(
         self,
