@@ -75,6 +75,7 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
     "fsdp_keep": ((4,), ("fsdp",), "fsdp", None, False, False, False),
     "ddp": ((4,), ("ddp",), None, "ddp", False, False, True),
     "hsdp": ((2, 2), ("rep", "shard"), "shard", "rep", False, False, True),
+    "hsdp_replicate_last": ((2, 2), ("shard", "rep"), "shard", "rep", False, False, True),
     "two_shard_dims": ((2, 2), ("dp0", "dp1"), ("dp0", "dp1"), None, False, False, True),
     "fsdp_tp": ((2, 2), ("fsdp", "tp"), "fsdp", None, True, True, True),
     "fsdp_tp_strided": ((2, 2), ("fsdp", "tp"), "fsdp", None, True, False, False),
