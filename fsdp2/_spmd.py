@@ -32,6 +32,7 @@ the local gradients, as in torch. Any other placement there is redistributed to
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -124,6 +125,37 @@ def resolve_spmd_mesh(mesh: Any, dp_mesh_dims: Any) -> SpmdMesh:
             f"fully_shard(dp_mesh_dims=...): a mesh dim is named twice in shard={shard}, "
             f"replicate={replicate}."
         )
+    built = _built_for(mesh)
+    dp_mesh = built.get((shard, replicate))
+    if dp_mesh is None:
+        dp_mesh = built[(shard, replicate)] = _dp_mesh(mesh, shard, replicate)
+    return SpmdMesh(
+        mesh=mesh,
+        shard_dims=tuple(names.index(n) for n in shard),
+        replicate_dims=tuple(names.index(n) for n in replicate),
+        dp_mesh=dp_mesh,
+    )
+
+
+# id(SPMD mesh) -> the data-parallel meshes built for it, by (shard, replicate) names. One
+# per mesh object and dims, not one per fully_shard call (DeviceMesh._unflatten makes new
+# process groups for its size-1 dim at every call). By identity, not equality: an equal
+# mesh built after the process groups were re-created must not get the old groups. Not
+# stored on the mesh, which pickles its __dict__ (DTensors in torch.save'd state dicts).
+_BUILT: dict[int, dict[tuple[tuple[str, ...], tuple[str, ...]], DeviceMesh]] = {}
+
+
+def _built_for(mesh: DeviceMesh) -> dict[tuple[tuple[str, ...], tuple[str, ...]], DeviceMesh]:
+    key = id(mesh)
+    if key not in _BUILT:
+        _BUILT[key] = {}
+        weakref.finalize(mesh, _BUILT.pop, key, None)
+    return _BUILT[key]
+
+
+def _dp_mesh(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D (shard) or 2-D (replicate, shard) mesh fsdp2's groups communicate over."""
+    names = tuple(mesh.mesh_dim_names or ())
     if shard and replicate:
         replicate_mesh, shard_mesh = _one_dim(mesh, replicate), _one_dim(mesh, shard)
         pair = (replicate[0], shard[0])
@@ -142,12 +174,7 @@ def resolve_spmd_mesh(mesh: Any, dp_mesh_dims: Any) -> SpmdMesh:
         dp_mesh = unflatten(
             replicate_mesh, 0, (replicate_mesh.size(), 1), (flat, f"{flat}_unsharded")
         )
-    return SpmdMesh(
-        mesh=mesh,
-        shard_dims=tuple(names.index(n) for n in shard),
-        replicate_dims=tuple(names.index(n) for n in replicate),
-        dp_mesh=dp_mesh,
-    )
+    return dp_mesh
 
 
 def check_spmd_param(param: Any, spmd: SpmdMesh, fqn: str) -> None:

@@ -371,3 +371,25 @@ def test_spmd_state_dicts_round_trip() -> None:
     model built on the meta device gives the values of one built on the CPU."""
     for report in run_ranks(_state_dicts, 4):
         assert report == {"full_out": True, "full_in": True, "dcp": True, "meta_init": True}
+
+
+def _ddp_groups_shared() -> bool:
+    """Replication only, blocks then root: every call's groups use the same process
+    groups (one data-parallel mesh per SPMD mesh, not one per call)."""
+    import fsdp2
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ddp",))
+    model = Stack()
+    distribute_module(model, mesh)
+    dims = fsdp2.DataParallelMeshDims(replicate="ddp")
+    for layer in model.layers:
+        fsdp2.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
+    fsdp2.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    groups = [g for m in model.modules() if isinstance(m, fsdp2.FSDPModule) for g in m._fsdp_state.groups]  # type: ignore[attr-defined]  # fmt: skip
+    return len(groups) == 4 and len({id(g.mesh) for g in groups}) == 1
+
+
+def test_spmd_calls_share_one_data_parallel_mesh() -> None:
+    """Building the replication-only mesh makes process groups; doing it once per
+    ``fully_shard`` call would make a new set per block."""
+    assert all(run_ranks(_ddp_groups_shared, 2))
