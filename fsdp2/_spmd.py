@@ -179,8 +179,14 @@ def _dp_mesh(mesh: DeviceMesh, shard: tuple[str, ...], replicate: tuple[str, ...
 
 def check_spmd_param(param: Any, spmd: SpmdMesh, fqn: str) -> None:
     """torch's contract: every managed parameter is a ``DTensor`` on the SPMD mesh itself,
-    replicated over the data-parallel dims."""
+    replicated over the data-parallel dims; on a mesh of only data-parallel dims, plain
+    parameters are accepted too."""
     if not isinstance(param, DTensor):
+        if spmd.dp_dims == frozenset(range(spmd.mesh.ndim)):
+            # A mesh of only data-parallel dims: a plain parameter is replicated there, so
+            # it is sharded as without dp_mesh_dims and computes as a plain tensor (torch
+            # 2.13 raises; later torch accepts plain parameters in this mode).
+            return
         raise ValueError(
             f"fully_shard(dp_mesh_dims=...): all parameters must be DTensors on the full "
             f"SPMD mesh {spmd.mesh} (e.g. via distribute_module); got a plain tensor for "

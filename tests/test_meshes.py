@@ -397,6 +397,77 @@ def test_shard_placement_higher_dims_contiguous_and_like_torch(
         assert (a - b).abs().max().item() <= 1e-6
 
 
+def _data_parallel_mesh_dims(**names: Any) -> Any:
+    """torch's ``DataParallelMeshDims`` where it exists (torch >= 2.13), else a stand-in
+    with the same two fields (fsdp2 reads only those)."""
+    import dataclasses
+
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims  # type: ignore[attr-defined]
+    except ImportError:
+
+        @dataclasses.dataclass
+        class DataParallelMeshDims:  # type: ignore[no-redef]
+            shard: Any = None
+            replicate: Any = None
+
+    return DataParallelMeshDims(**names)
+
+
+def _train_dp_mesh_dims(layout: str) -> dict:
+    """A 4-rank mesh of data-parallel dims named in ``layout``'s way, sharded with
+    ``dp_mesh_dims`` (plain parameters): the parameter differences from the non-sharded
+    model after 3 AdamW steps, and the placements."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    shape, names, dims = {
+        "fsdp": ((ws,), ("dp",), {"shard": "dp"}),
+        "hsdp": ((2, 2), ("dp_replicate", "dp_shard"), {"shard": "dp_shard", "replicate": "dp_replicate"}),
+        "flatten": ((2, 2), ("dp_shard", "cp"), {"shard": ("dp_shard", "cp")}),
+    }[layout]  # fmt: skip
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    kwargs = {"mesh": mesh, "dp_mesh_dims": _data_parallel_mesh_dims(**dims)}
+    get_fully_shard("fsdp2")(model[0], **kwargs)
+    get_fully_shard("fsdp2")(model, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    worst = []
+    for _ in range(3):
+        batch = torch.randn(4 * ws, 8)
+        model(batch[4 * rank : 4 * rank + 4]).pow(2).mean().backward()
+        ref(batch).pow(2).mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        worst.append(compare_params(ref, model))
+    weight = model[0].weight
+    return {
+        "worst": worst,
+        "placements": [str(p) for p in weight.placements],
+        "shard_group_size": weight.device_mesh.size(weight.device_mesh.ndim - 1),
+    }
+
+
+@pytest.mark.parametrize(
+    ("layout", "placements", "shard_group_size"),
+    [("fsdp", ["S(0)"], 4), ("hsdp", ["R", "S(0)"], 2), ("flatten", ["S(0)"], 4)],
+)
+def test_dp_mesh_dims_name_the_data_parallel_mesh(
+    layout: str, placements: list[str], shard_group_size: int
+) -> None:
+    """``dp_mesh_dims`` on a mesh made only of data-parallel dims, with plain parameters
+    (torch 2.13 raises; later torch and torchtitan's flows pass them): FSDP on a named dim,
+    HSDP on (replicate, shard), and two shard dims flattened into one 4-rank shard group,
+    each training like the non-sharded model. ``DTensor`` parameters: test_spmd.py."""
+    reports = run_ranks(_train_dp_mesh_dims, 4, layout)
+    _check_parity(reports)
+    assert reports[0]["placements"] == placements
+    assert reports[0]["shard_group_size"] == shard_group_size
+
+
 def _uneven_dim1() -> str:
     from torch.distributed.tensor import Shard
 
