@@ -143,9 +143,6 @@ def fully_shard(
     device = mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
     found = collect_params(modules, ignored_params)
-    if spmd is not None:
-        for param, _, fqn in found:
-            check_spmd_param(param, spmd, fqn)
     groups = _build_groups(
         found,
         mesh,
@@ -187,13 +184,17 @@ def _build_groups(
     for param, _, fqn in found:
         check_param_device(param, fqn, device)
     by_mesh: dict[tuple[Any, ...], tuple[DeviceMesh, list[tuple[Any, ...]]]] = {}
-    resolved: dict[int, DeviceMesh] = {}
+    resolved: dict[int, tuple[DeviceMesh, SpmdMesh | None]] = {}
     for param, uses, fqn in found:
-        dim, param_mesh = placement_of(shard_placement_fn, param, fqn, mesh, resolved)
+        dim, param_mesh, param_spmd = placement_of(
+            shard_placement_fn, param, fqn, mesh, resolved, spmd
+        )
+        if param_spmd is not None:
+            check_spmd_param(param, param_spmd, fqn)
         key = _mesh_key(param_mesh)
         if key not in by_mesh:
             by_mesh[key] = (param_mesh, [])
-        by_mesh[key][1].append((param, uses, fqn, dim))
+        by_mesh[key][1].append((param, uses, fqn, dim, param_spmd))
     groups = []
     for index, (group_mesh, members) in enumerate(by_mesh.values()):
         if group_mesh.device_type != mesh.device_type:
@@ -205,14 +206,8 @@ def _build_groups(
         members.sort(key=lambda item: not item[0].requires_grad)
         sharded: list[ShardedParam] = []
         offset = 0
-        for param, uses, fqn, dim in members:
-            if spmd is not None and group_mesh is not mesh:
-                raise NotImplementedError(
-                    f"fully_shard(dp_mesh_dims=...) on {label}: shard_placement_fn returned a "
-                    f"mesh of its own for '{fqn}'; with dp_mesh_dims return Shard(dim) or "
-                    f"None, or shard that module in a fully_shard call of its own."
-                )
-            sp = ShardedParam(param, uses, fqn, group_mesh, offset, dim, spmd)
+        for param, uses, fqn, dim, param_spmd in members:
+            sp = ShardedParam(param, uses, fqn, group_mesh, offset, dim, param_spmd)
             offset += sp.padded_numel
             sharded.append(sp)
         group_label = label

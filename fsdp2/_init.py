@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from fsdp2._param import Use
+from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
 
 # Parameters already managed by some group -> that group's label; shared across groups is
 # an error (their gradient would be reduced twice and their values diverge).
@@ -154,15 +155,17 @@ def placement_of(
     param: nn.Parameter,
     fqn: str,
     default_mesh: DeviceMesh,
-    meshes: dict[int, DeviceMesh],
-) -> tuple[int, DeviceMesh]:
-    """The tensor dim ``shard_placement_fn`` picks for ``param`` (0 by default) and the
-    mesh it is sharded over: ``default_mesh``, unless the function returns a per-parameter
-    mesh (torch's ``ShardPlacementResult(placement, mesh_info)``; see
-    [Note: per-parameter meshes]). ``meshes`` caches the mesh resolved for each mesh-info
-    object, so every parameter returning the same one lands in the same group."""
+    meshes: dict[int, tuple[DeviceMesh, SpmdMesh | None]],
+    default_spmd: SpmdMesh | None = None,
+) -> tuple[int, DeviceMesh, SpmdMesh | None]:
+    """The tensor dim ``shard_placement_fn`` picks for ``param`` (0 by default), the mesh
+    it is sharded over and, in torch's SPMD mode, the SPMD mesh it lives on:
+    ``default_mesh`` / ``default_spmd``, unless the function returns a per-parameter mesh
+    (torch's ``ShardPlacementResult(placement, mesh_info)``; see
+    [Note: per-parameter meshes]). ``meshes`` caches what each mesh-info object resolves
+    to, so every parameter returning the same one lands in the same group."""
     result = fn(param) if fn is not None else None
-    mesh = default_mesh
+    mesh, spmd = default_mesh, default_spmd
     placement = result
     if result is not None and not isinstance(result, Shard):
         if not (hasattr(result, "placement") and hasattr(result, "mesh_info")):
@@ -175,14 +178,14 @@ def placement_of(
         info = result.mesh_info
         if id(info) not in meshes:
             meshes[id(info)] = mesh_of_info(info, fqn)
-        mesh = meshes[id(info)]
+        mesh, spmd = meshes[id(info)]
         if placement is not None and not isinstance(placement, Shard):
             raise TypeError(
                 f"fully_shard: shard_placement_fn returned placement {placement!r} for "
                 f"'{fqn}'; use Shard(dim) or None (Shard(0))."
             )
     if placement is None:
-        return 0, mesh
+        return 0, mesh, spmd
     shard_size = mesh.size(mesh.ndim - 1)
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
@@ -196,16 +199,22 @@ def placement_of(
             f"{param.shape[dim]} of dim {dim} to be divisible by the shard group size "
             f"{shard_size}; shard another dim or return None for Shard(0) (which pads)."
         )
-    return dim, mesh
+    return dim, mesh, spmd
 
 
-def mesh_of_info(info: Any, fqn: str) -> DeviceMesh:
+def mesh_of_info(info: Any, fqn: str) -> tuple[DeviceMesh, SpmdMesh | None]:
     """The 1-D (FSDP) or 2-D (replicate, shard: HSDP) mesh a per-parameter mesh info names:
     torch's ``FSDPMeshInfo(mesh, shard_mesh_dim)`` or ``HSDPMeshInfo(mesh, shard_mesh_dim,
     replicate_mesh_dim)`` (read by attribute: fsdp2 does not import torch's FSDP), or a
     ``DeviceMesh`` itself."""
     if isinstance(info, DeviceMesh):
-        return resolve_mesh(info)
+        return resolve_mesh(info), None
+    dp_mesh_dims = getattr(info, "dp_mesh_dims", None)
+    if dp_mesh_dims is not None:
+        # torch's _get_mesh_info(spmd_mesh, dp_mesh_dims): that parameter lives on an SPMD
+        # mesh of its own (torchtitan's experts on (efsdp, ep) next to the dense mesh).
+        spmd = resolve_spmd_mesh(getattr(info, "spmd_mesh", None), dp_mesh_dims)
+        return resolve_mesh(spmd.dp_mesh), spmd
     mesh = getattr(info, "mesh", None)
     shard = getattr(info, "shard_mesh_dim", None)
     replicate = getattr(info, "replicate_mesh_dim", None)
@@ -215,15 +224,9 @@ def mesh_of_info(info: Any, fqn: str) -> DeviceMesh:
             f"{type(info).__name__} for '{fqn}'; expected torch's FSDPMeshInfo/HSDPMeshInfo "
             f"(a mesh and its shard_mesh_dim) or a DeviceMesh."
         )
-    if getattr(info, "dp_mesh_dims", None) is not None:
-        raise NotImplementedError(
-            f"fully_shard: the mesh_info for '{fqn}' uses dp_mesh_dims (torch's SPMD mode), "
-            f"which fsdp2 does not support; pass FSDPMeshInfo(mesh=<data-parallel mesh>, "
-            f"shard_mesh_dim=0)."
-        )
     dims = (shard,) if replicate is None else (replicate, shard)
     if dims == tuple(range(mesh.ndim)):
-        return resolve_mesh(mesh)
+        return resolve_mesh(mesh), None
     names = mesh.mesh_dim_names
     if not names or (replicate is not None and replicate > shard):
         raise NotImplementedError(
@@ -232,7 +235,7 @@ def mesh_of_info(info: Any, fqn: str) -> DeviceMesh:
             f"itself (1-D, or 2-D (replicate, shard)) as its mesh."
         )
     picked = tuple(names[d] for d in dims)
-    return resolve_mesh(mesh[picked] if len(picked) > 1 else mesh[picked[0]])
+    return resolve_mesh(mesh[picked] if len(picked) > 1 else mesh[picked[0]]), None
 
 
 def _sharded_subtree_roots(modules: tuple[nn.Module, ...]) -> set[int]:
