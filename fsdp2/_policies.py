@@ -63,20 +63,31 @@ class DataParallelMeshDims:
                 "At least one of shard or replicate must be set in DataParallelMeshDims "
                 "(e.g. DataParallelMeshDims(shard='dp'))."
             )
+        # Reject names that are neither a string nor a tuple of strings here, not later.
+        dim_names(self.shard, "shard")
+        dim_names(self.replicate, "replicate")
 
     @property
     def shard_names(self) -> tuple[str, ...]:
-        return _dim_names(self.shard)
+        return dim_names(self.shard, "shard")
 
     @property
     def replicate_names(self) -> tuple[str, ...]:
-        return _dim_names(self.replicate)
+        return dim_names(self.replicate, "replicate")
 
 
-def _dim_names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+def dim_names(value: object, what: str) -> tuple[str, ...]:
+    """A ``DataParallelMeshDims`` field (fsdp2's or torch's) as a tuple of dim names."""
     if value is None:
         return ()
-    return (value,) if isinstance(value, str) else tuple(value)
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(
+        f"fully_shard(dp_mesh_dims=...): {what} must be a mesh dim name or a tuple of names, "
+        f"got {value!r}."
+    )
 
 
 _MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")

@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from fsdp2._policies import dim_names
 
 
 @dataclass(frozen=True)
@@ -50,26 +52,14 @@ class SpmdMesh:
     shard_dims: tuple[int, ...]
     replicate_dims: tuple[int, ...]
     dp_mesh: DeviceMesh
+    # Both kinds of data-parallel dim; read for every gradient, so built once.
+    dp_dims: frozenset[int] = field(init=False)
 
-    @property
-    def dp_dims(self) -> frozenset[int]:
-        return frozenset(self.shard_dims + self.replicate_dims)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dp_dims", frozenset(self.shard_dims + self.replicate_dims))
 
     def name(self, dim: int) -> str:
         return (self.mesh.mesh_dim_names or ())[dim]
-
-
-def _names(value: Any, what: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
-        return tuple(value)
-    raise TypeError(
-        f"fully_shard(dp_mesh_dims=...): {what} must be a mesh dim name or a tuple of names, "
-        f"got {value!r}."
-    )
 
 
 def _private(name: str) -> Any:
@@ -99,8 +89,8 @@ def resolve_spmd_mesh(mesh: Any, dp_mesh_dims: Any) -> SpmdMesh:
             f"fully_shard(dp_mesh_dims=...) expects a DataParallelMeshDims(shard=..., "
             f"replicate=...), got {type(dp_mesh_dims).__name__}."
         )
-    shard = _names(dp_mesh_dims.shard, "shard")
-    replicate = _names(dp_mesh_dims.replicate, "replicate")
+    shard = dim_names(dp_mesh_dims.shard, "shard")
+    replicate = dim_names(dp_mesh_dims.replicate, "replicate")
     if not shard and not replicate:
         raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
     if not isinstance(mesh, DeviceMesh):

@@ -45,6 +45,8 @@ def test_data_parallel_mesh_dims_matches_torch() -> None:
     assert ours(replicate="ddp").shard_names == ()
     with pytest.raises(ValueError, match="At least one of shard or replicate"):
         ours()
+    with pytest.raises(TypeError, match=r"shard must be a mesh dim name or a tuple of names"):
+        ours(shard=0)  # type: ignore[arg-type]
 
 
 def test_policies_match_torch_defaults() -> None:

@@ -220,6 +220,9 @@ def _case_fns() -> dict[str, Callable[[], object]]:
     def symm_mem_for_comm() -> None:
         _sharded_root().set_symm_mem_for_comm()
 
+    def process_group_allocated_buffers_not_bool() -> None:
+        _sharded_root().a.set_allocate_memory_from_process_group_for_comm(1)  # type: ignore[arg-type]
+
     def process_group_allocated_buffers_with_custom_comm() -> None:
         class Comm:
             def allocate(self, *args: object, **kwargs: object) -> None:
@@ -363,6 +366,10 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"set_separate_reduce_scatter_group expects a bool, got 1",
     ),
     "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
+    "process_group_allocated_buffers_not_bool": (
+        "TypeError",
+        r"FSDPBlock\.set_allocate_memory_from_process_group_for_comm expects a bool, got 1",
+    ),
     "process_group_allocated_buffers_with_custom_comm": (
         "RuntimeError",
         r"set_allocate_memory_from_process_group_for_comm: this module has a custom all-gather",
