@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from enum import Enum, auto
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp2._backward_nodes import EagerPostBackward, ForwardCall, PostBackward
 from fsdp2._comm_context import CommContext
 from fsdp2._module_io import cast_floating, map_tensors, tensors_in
 from fsdp2._param_group import ParamGroup
@@ -145,8 +145,8 @@ class FSDPState:
         self._backward_epoch = 0  # +1 whenever the count above is reset
         # This state's current forward, and those whose backward has not started yet; see
         # [Note: forwards whose backward comes later].
-        self._forward_call: _ForwardCall | None = None
-        self._unopened_forwards: list[_ForwardCall] = []
+        self._forward_call: ForwardCall | None = None
+        self._unopened_forwards: list[ForwardCall] = []
         # Ever had such a call: only then can gradients land after the post-backward (see
         # ``_finish_backward``), so only then does the final callback look for them.
         self._had_untracked_call = False
@@ -339,16 +339,16 @@ class FSDPState:
             self._forward_positions.append(len(tree.forward_order) - 1)
         # Forwards whose graphs are gone (no live claim) drop out here, so grad-enabled
         # forwards that never reach a backward do not pile up.
-        forward = self._current_forward()
+        forward = self.current_forward()
         pending = [f for f in self._unopened_forwards if f.live > 0 and not f.opened]
         if not forward.opened and not any(f is forward for f in pending):
             pending.append(forward)
         self._unopened_forwards = pending
         return self._attach_pre_backward(output)
 
-    def _current_forward(self) -> _ForwardCall:
+    def current_forward(self) -> ForwardCall:
         if self._forward_call is None:
-            self._forward_call = _ForwardCall(self._backward_epoch)
+            self._forward_call = ForwardCall(self._backward_epoch)
         return self._forward_call
 
     def pre_forward(
@@ -369,7 +369,7 @@ class FSDPState:
                 torch.is_grad_enabled() and self._pending_backward_calls == 0
             )
             self._claims_this_forward = 0
-            self._forward_call = _ForwardCall(self._backward_epoch, opened=True)
+            self._forward_call = ForwardCall(self._backward_epoch, opened=True)
             if self._recompute_registers_backward:
                 args, kwargs = self._claim_post_backward(args, kwargs)
             return args, kwargs
@@ -383,7 +383,7 @@ class FSDPState:
                 group.reshard_if_stale()
         self.training_state = TrainingState.FORWARD
         self._claims_this_forward = 0
-        self._forward_call = _ForwardCall(self._backward_epoch)
+        self._forward_call = ForwardCall(self._backward_epoch)
         if groups:
             logger.debug("FSDP::pre_forward (%s)", self.fqn)
             for group in groups:
@@ -447,6 +447,13 @@ class FSDPState:
         return self._cast_output(output)
 
     # -- backward triggers ---------------------------------------------------------------
+    def return_claim(self, forward: ForwardCall) -> None:
+        """A graph of ``forward`` was freed without its backward (a forward for logging or
+        validation with grad enabled): uncount its call, unless the count was reset since,
+        so that the next training backward does not wait for it."""
+        if forward.epoch == self._backward_epoch:
+            self._pending_backward_calls = max(0, self._pending_backward_calls - 1)
+
     def _claim_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -464,23 +471,23 @@ class FSDPState:
         if self._claims_this_forward == attached:
             self._untracked_calls += 1
             self._had_untracked_call = True
-            self._current_forward().untracked += 1
+            self.current_forward().untracked += 1
         return args, kwargs
 
     def _attach_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Route the inputs that need grad through ``_PostBackward`` so its backward runs
+        """Route the inputs that need grad through ``PostBackward`` so its backward runs
         once gradients for all of them (and so for this module's parameters) are done."""
         inputs = [x for x in tensors_in((args, kwargs)) if x.requires_grad]
         if not inputs:
             return args, kwargs
         self._claims_this_forward += 1
-        # The node without torch.func support is much cheaper to apply: see _EagerPostBackward.
+        # The node without torch.func support is much cheaper to apply: see EagerPostBackward.
         if torch._C._are_functorch_transforms_active():
-            aliases = _PostBackward.apply(self, *inputs)
+            aliases = PostBackward.apply(self, *inputs)
         else:
-            aliases = _EagerPostBackward.apply(self, *inputs)
+            aliases = EagerPostBackward.apply(self, *inputs)
         outputs = dict(zip(map(id, inputs), aliases))
         return map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
 
@@ -498,7 +505,7 @@ class FSDPState:
         ]
         tensors += [b for b in bases if not any(b is t for t in tensors)]
         hook = functools.partial(
-            self._pre_backward, self._claims_this_forward, self._current_forward()
+            self._pre_backward, self._claims_this_forward, self.current_forward()
         )
         if len(tensors) == 1:
             # What register_multi_grad_hook(mode="any") does for one tensor, without its
@@ -509,7 +516,7 @@ class FSDPState:
         return output
 
     @_run_eagerly
-    def _pre_backward(self, claims: int, forward: _ForwardCall, *_: Any) -> None:
+    def _pre_backward(self, claims: int, forward: ForwardCall, *_: Any) -> None:
         """Backward reached an output of one forward call, whose ``claims`` post-backward
         nodes (one per module call of the group) will now run."""
         forward.opened = True
@@ -720,139 +727,3 @@ class FSDPState:
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
-
-
-class _ForwardCall:
-    """One forward of a state (every module call of a list group): its claims not yet
-    settled, its calls without a post-backward node, whether its backward has started, and
-    the backward epoch its claims count in.
-
-    [Note: forwards whose backward comes later]
-    Several forwards may precede their backwards, each backward a separate call (pipeline
-    schedules, microbatches forwarded together): ``loss1, loss2 = m(x1), m(x2)`` then
-    ``loss2.backward()``, ``loss1.backward()``. The final callback of the first backward
-    settles every call of the forwards that took part in it (reducing what they owe), but
-    the calls of a forward whose pre-backward has not fired are still to come: their
-    count is carried into the next backward, so a group of several modules (two claims per
-    forward) is not resharded after its first module's backward while the other still
-    needs the parameters."""
-
-    __slots__ = ("epoch", "live", "opened", "untracked")
-
-    def __init__(self, epoch: int, opened: bool = False) -> None:
-        self.epoch = epoch
-        self.live = 0  # claims (post-backward nodes) neither run nor released
-        self.untracked = 0
-        self.opened = opened
-
-
-class _PendingBackward:
-    """One forward call's claim on its group's post-backward.
-
-    ``post_backward`` reduces once every forward call counted in
-    ``_pending_backward_calls`` has had its backward. A forward whose graph is dropped
-    without a backward (a validation loss computed with grad enabled, a forward for
-    logging) must give its claim back, or the next training backward would hold every
-    group unsharded until the final callback. The claim is returned when the graph's
-    ``_PostBackward`` node is freed without having run, unless the count was reset since.
-    """
-
-    __slots__ = ("forward", "ran", "state", "tree")
-
-    def __init__(self, state: FSDPState) -> None:
-        self.state = state
-        self.forward = state._current_forward()
-        self.forward.live += 1
-        self.ran = False
-        self.tree = state.tree
-        if self.tree is not None:
-            self.tree.live_claims += 1
-
-    def mark_ran(self) -> None:
-        if not self.ran:
-            self.ran = True
-            self._settle()
-
-    def release_unused(self) -> None:
-        if self.ran:
-            return
-        self._settle()
-        state = self.state
-        if self.forward.epoch == state._backward_epoch:
-            state._pending_backward_calls = max(0, state._pending_backward_calls - 1)
-
-    def _settle(self) -> None:
-        self.forward.live -= 1
-        if self.tree is not None:
-            self.tree.live_claims = max(0, self.tree.live_claims - 1)
-
-
-def _alias_inputs(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    # Aliases with the inputs' exact strides: ``view_as`` (or returning the inputs, which
-    # autograd turns into ``view_as``) recomputes the stride of a size-1 dim, and kernels
-    # choose their path by strides (matmul folds a batch into one mm or not). A
-    # checkpointed forward is recomputed without this node, so it would take another path
-    # than the original forward and save tensors of other shapes.
-    return tuple(torch.ops.aten.alias(x) for x in inputs)
-
-
-def _claim_node(ctx: Any, state: FSDPState) -> None:
-    """Make the graph node ``ctx`` one forward call's claim on ``state``'s post-backward."""
-    ctx.state = state
-    ctx.claim = _PendingBackward(state)
-    # ``ctx`` is the graph node: it dies with the graph, backward or not.
-    weakref.finalize(ctx, ctx.claim.release_unused).atexit = False
-
-
-def _run_post_backward(ctx: Any, grads: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    ctx.claim.mark_ran()
-    ctx.state.post_backward()
-    return (None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity in forward; its backward is the group's post-backward hook.
-
-    Written with ``setup_context``, a ``jvp`` (the identity on tangents) and a generated
-    vmap rule, so that a sharded module also runs inside ``torch.func`` transforms such as
-    ``torch.func.jvp``. Used only while such a transform is active; otherwise
-    ``_EagerPostBackward`` builds the same node for less.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _alias_inputs(inputs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _claim_node(ctx, inputs[0])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return _run_post_backward(ctx, grads)
-
-    @staticmethod
-    def jvp(ctx: Any, state_tangent: Any, *tangents: torch.Tensor) -> tuple[Any, ...]:
-        return tangents
-
-
-class _EagerPostBackward(torch.autograd.Function):
-    """``_PostBackward`` without ``torch.func`` support, for the common case (no transform
-    active): the same aliases, claim and backward, so the same graph.
-
-    Why two classes: ``Function.apply`` on a Function that defines ``setup_context`` binds
-    its arguments through ``inspect.signature`` on every call, about 30 us, twice what the
-    rest of the node costs; once per forward call of every group that adds up. A Function
-    whose ``forward`` takes ``ctx`` skips that, but cannot run under ``torch.func``.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        _claim_node(ctx, state)
-        return _alias_inputs(inputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return _run_post_backward(ctx, grads)
