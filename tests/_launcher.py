@@ -7,7 +7,8 @@ per-rank return values (rank order).
 Design
 ------
 * One *persistent pool* of worker processes per world size, started lazily on first use
-  (``fork`` start method where available, ``spawn`` otherwise). Each worker sets
+  (``forkserver`` start method where available, ``spawn`` otherwise; see "Why not plain
+  fork" below). Each worker sets
   ``torch.set_num_threads(1)``, joins a gloo process group through a fresh file-store
   rendezvous (``file://`` in a private temp dir, so no port races) once, then serves tasks
   forever. A parity test then costs well under a second instead of several seconds.
@@ -32,9 +33,18 @@ Design
 
   After *any* failure the pool of that world size is killed and rebuilt on next use, so a
   bad test cannot poison the following ones.
-* Pools are preloaded: with ``fork``, ``PRELOAD_MODULES`` (DTensor, FSDP, dynamo) are
-  imported in the parent first, so the ranks do not each pay ~1 s of imports on first use.
-  ``FSDP2_TESTS_START_METHOD=spawn`` forces the fork-free path.
+* Pools are preloaded: ``PRELOAD_MODULES`` (DTensor, FSDP, dynamo) are imported once in
+  the fork server (or, with ``fork``, in the parent) before it forks the ranks, so the
+  ranks do not each pay ~1 s of imports on first use. ``FSDP2_TESTS_START_METHOD=fork``
+  or ``=spawn`` picks another start method.
+* Why not plain ``fork``: a child forked from a process whose autograd engine has started
+  its worker threads cannot run backward at all ("Unable to handle autograd's threading
+  in combination with fork-based multiprocessing"). The pytest process runs models itself
+  (fake-process-group tests), and with some torch builds (CUDA builds of torch 2.14 on a
+  machine without a GPU, for one) a DTensor backward there starts those threads; every
+  pool forked afterwards (a new world size, or one rebuilt after a failure) would then be
+  unusable. The fork server is a fresh interpreter that never runs autograd, so its
+  children are clean whatever the test process did before.
 * Workers are daemonic (a rank function cannot start its own ``multiprocessing`` children).
 * Workers exit on their own if the pytest process dies (pipe EOF plus a ``getppid``
   watchdog thread), and all pools are shut down at interpreter exit (``atexit``) and at the
@@ -128,11 +138,26 @@ class RankTimeoutError(TimeoutError):
 def _start_parent_watchdog(parent_pid: int) -> None:
     """Exit this worker promptly if the process that started it goes away, even while the
     main thread is blocked in a collective."""
+    # A worker made by ``fork`` or ``spawn`` is the test process's child: it is re-parented
+    # when that process dies. One made by the fork server is the server's child: ask the
+    # system whether the test process is still there instead.
+    direct_child = os.getppid() == parent_pid
+
+    def parent_gone() -> bool:
+        if direct_child:
+            return os.getppid() != parent_pid
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return True  # the pid now belongs to another user's process
+        return False
 
     def watch() -> None:
         while True:
             time.sleep(1.0)
-            if os.getppid() != parent_pid:
+            if parent_gone():
                 os._exit(3)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
@@ -279,11 +304,16 @@ def _socket_if_names() -> list[tuple[int, str]]:
 
 
 def _mp_context() -> Any:
-    # FSDP2_TESTS_START_METHOD=spawn forces the slower, fork-free path (for debugging).
+    # FSDP2_TESTS_START_METHOD=fork or =spawn overrides the default (for debugging).
     method = os.environ.get("FSDP2_TESTS_START_METHOD")
     if not method:
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method)
+        available = multiprocessing.get_all_start_methods()
+        method = "forkserver" if "forkserver" in available else "spawn"
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # Takes effect when the server starts (first pool); later calls change nothing.
+        ctx.set_forkserver_preload([*PRELOAD_MODULES, __name__])
+    return ctx
 
 
 def _read_tail(path: str, limit: int = MAX_LOG_CHARS) -> str:

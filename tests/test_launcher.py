@@ -78,6 +78,13 @@ def _leak_state() -> None:
     torch.set_grad_enabled(False)
 
 
+def _backward_and_parent() -> tuple[float, int]:
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()
+    assert x.grad is not None
+    return x.grad.sum().item(), os.getppid()
+
+
 def _check_state_reset() -> tuple:
     return (callable(dist.all_reduce), torch.is_grad_enabled(), torch.rand(1).item())
 
@@ -190,6 +197,33 @@ def test_state_is_reset_between_tasks() -> None:
     torch.manual_seed(0)
     expected = torch.rand(1).item()
     assert results == [(True, True, expected)] * 2
+
+
+@pytest.mark.skipif(
+    "FSDP2_TESTS_START_METHOD" in os.environ, reason="tests the default start method"
+)
+def test_pools_start_clean_after_autograd_in_this_process() -> None:
+    """Ranks forked from a process whose autograd engine runs worker threads cannot run
+    backward (torch raises "Unable to handle autograd's threading in combination with
+    fork-based multiprocessing"). With CUDA builds of torch 2.14 a DTensor backward in the
+    test process (the fake-process-group tests) starts those threads, and every pool made
+    afterwards failed every test. Pools come from a fork server instead: not children of
+    this process, and able to run backward whatever it ran before."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        weight = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]).requires_grad_()
+        (weight * 2).full_tensor().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    _launcher.shutdown_pools()  # the next call starts a new pool, after that backward
+    results = run_ranks(_backward_and_parent, 2)
+    assert [grad for grad, _ in results] == [6.0, 6.0]
+    assert all(parent != os.getpid() for _, parent in results)
 
 
 _CHILD_SCRIPT = textwrap.dedent(
