@@ -48,7 +48,7 @@ from fsdp2._policies import (
     validate_offload_policy,
 )
 from fsdp2._spmd import SpmdMesh, check_spmd_param, resolve_spmd_mesh
-from fsdp2._state import FSDPState, TrainingState
+from fsdp2._state import FSDPState, TrainingState, fsdp_state_of
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -301,7 +301,8 @@ def _explain_sharded_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, *args, **kwargs)
         except RuntimeError as error:
-            groups = getattr(getattr(self, "_fsdp_state", None), "groups", ())
+            state = fsdp_state_of(self)
+            groups = state.groups if state is not None else ()
             if all(g.is_unsharded for g in groups) or "DTensor" not in str(error):
                 raise
             raise RuntimeError(
@@ -578,8 +579,8 @@ class FSDPModule:
             return [self._fsdp_state]
         seen: dict[int, FSDPState] = {}
         for module in self.modules():  # type: ignore[attr-defined]
-            state = getattr(module, "_fsdp_state", None)
-            if isinstance(state, FSDPState):
+            state = fsdp_state_of(module)
+            if state is not None:
                 seen.setdefault(id(state), state)
         return list(seen.values())
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Shard
 
 from fsdp2._param import Use
 from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
+from fsdp2._state import fsdp_state_of
 
 # Parameters already managed by some group -> that group's label; shared across groups is
 # an error (their gradient would be reduced twice and their values diverge).
@@ -77,7 +78,7 @@ def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ..
             raise TypeError(
                 f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
             )
-        if getattr(m, "_fsdp_state", None) is not None:
+        if fsdp_state_of(m) is not None:
             raise ValueError(
                 f"fully_shard was already applied to this {type(m).__name__}. Apply it once "
                 f"per module: to each block, then to the root."
@@ -249,12 +250,12 @@ def collect_params(
     ignored = _validate_ignored(modules, ignored_params)
     tops = _sharded_subtree_roots(modules)
     found: dict[int, tuple[nn.Parameter, list[Use], str]] = {}
-    for top in modules:
+    for top, top_label in zip(modules, _display_prefixes(modules)):
         for prefix, module in _unsharded_modules(top, tops):
             for name, param in module._parameters.items():
                 if param is None or param in ignored:
                     continue
-                fqn = f"{prefix}{name}"
+                fqn = f"{top_label}{prefix}{name}"
                 owner = getattr(param, _OWNER_ATTR, None)
                 if owner is not None:
                     raise ValueError(
@@ -270,6 +271,18 @@ def collect_params(
     return list(found.values())
 
 
+def _display_prefixes(modules: tuple[nn.Module, ...]) -> list[str]:
+    """Name prefixes that tell the modules of one call apart in messages: none for one
+    module (names are its own FQNs), the class name for a list (``Embedding.weight``),
+    with the position where a class appears twice (``Linear[2].weight``)."""
+    if len(modules) == 1:
+        return [""]
+    names = [type(m).__name__ for m in modules]
+    return [
+        f"{name}." if names.count(name) == 1 else f"{name}[{i}]." for i, name in enumerate(names)
+    ]
+
+
 def _unsharded_modules(top: nn.Module, tops: set[int]) -> Iterable[tuple[str, nn.Module]]:
     """Modules under ``top`` (with FQN prefixes) not inside an already-sharded submodule."""
     stack: list[tuple[str, nn.Module]] = [("", top)]
@@ -281,7 +294,7 @@ def _unsharded_modules(top: nn.Module, tops: set[int]) -> Iterable[tuple[str, nn
         for name, child in reversed(list(module._modules.items())):
             if child is None:
                 continue
-            if getattr(child, "_fsdp_state", None) is not None and id(child) not in tops:
+            if fsdp_state_of(child) is not None and id(child) not in tops:
                 continue  # managed by an earlier call
             stack.append((f"{prefix}{name}.", child))
 

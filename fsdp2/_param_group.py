@@ -336,7 +336,7 @@ class ParamGroup(GradientReduction):
     def lazy_init(self, comm: CommContext) -> None:
         """Bind to the tree's communication context and build the unsharded buffer."""
         self.comm = comm
-        self.ensure_shards_bound()
+        self.ensure_shards_bound(complete=True)
         # The unsharded buffer is its all-gather output plus the alignment gaps, and the
         # reduce-scatter input that plus the flags: one pooled buffer serves all three.
         gap_bytes = (self.unsharded_numel - self.world_size * self.gather_numel) * (
@@ -388,9 +388,13 @@ class ParamGroup(GradientReduction):
         )
         self._free_unsharded()
 
-    def ensure_shards_bound(self) -> None:
+    def ensure_shards_bound(self, *, complete: bool = False) -> None:
         """Re-point local tensors that no longer view the flat buffer (after ``module.to()``,
-        ``to_empty()`` or ``load_state_dict(assign=True)``), keeping their values."""
+        ``to_empty()`` or ``load_state_dict(assign=True)``), keeping their values.
+
+        A group whose parameters are partly still on the meta device is left as it is until
+        the rest arrive ([Note: partly materialized groups]); ``complete`` (the first
+        forward) makes that an error instead."""
         if not self.is_unsharded:
             for p in self.params:
                 p.adopt_assigned()
@@ -409,6 +413,26 @@ class ParamGroup(GradientReduction):
                     self._init_unsharded()
             return
         local = [p.local_tensor() for p in self.params]
+        on_meta = [p.fqn for p, t in zip(self.params, local) if t.device.type == "meta"]
+        if on_meta and len(on_meta) < len(local):
+            # [Note: partly materialized groups]
+            # ``load_state_dict(assign=True)`` runs each module's load post-hook as soon as
+            # that module is loaded, so a group of several modules (``fully_shard([norm,
+            # embed, head])``) built on the meta device is re-bound once per module, while
+            # the modules loaded later still hold meta tensors. A flat buffer laid out then
+            # would be on the meta device (the first parameter's) and the loaded values
+            # would be dropped into it. The loaded parameters keep their own tensors until
+            # the last module's hook sees every parameter materialized.
+            if complete:
+                loaded = [p.fqn for p, t in zip(self.params, local) if t.device.type != "meta"]
+                raise RuntimeError(
+                    f"fully_shard: {self.label} has parameters on the meta device "
+                    f"({', '.join(on_meta)}) next to materialized ones ({', '.join(loaded)}) "
+                    f"at the first forward. Materialize or load all of them first (e.g. "
+                    f"module.to_empty(device=...) then reset_parameters(), or a state dict "
+                    f"with every key)."
+                )
+            return
         # ``module.to(dtype)`` may have changed dtypes (e.g. made a mixed group uniform).
         self._plan_layout([t.dtype for t in local], [p.requires_grad for p in self.params])
         first = local[0]

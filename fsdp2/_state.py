@@ -57,6 +57,17 @@ def _run_eagerly(fn: Any) -> Any:
     return torch.compiler.disable(fn, recursive=True)
 
 
+def fsdp_state_of(module: nn.Module) -> FSDPState | None:
+    """The state ``fully_shard`` attached to ``module`` itself, or None.
+
+    Read from the instance's ``__dict__``, not with ``getattr``: wrappers such as
+    ``CheckpointWrapper`` forward unknown attributes to the module they wrap, so ``getattr``
+    would hand a wrapper the state of a sharded module inside it (and ``fully_shard`` on
+    the wrapper, as accelerate applies it, would be refused as a second call)."""
+    state = module.__dict__.get("_fsdp_state")
+    return state if isinstance(state, FSDPState) else None
+
+
 class TrainingState(Enum):
     IDLE = auto()
     FORWARD = auto()
@@ -229,8 +240,8 @@ class FSDPState:
         seen: set[int] = set()
         for top in self.modules:
             for module in top.modules():
-                state = getattr(module, "_fsdp_state", None)
-                if isinstance(state, FSDPState) and id(state) not in seen:
+                state = fsdp_state_of(module)
+                if state is not None and id(state) not in seen:
                     seen.add(id(state))
                     states.append(state)
         for state in states:

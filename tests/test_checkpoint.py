@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _helpers import (
+    IMPLS,
     ParityCase,
     build_model,
     fsdp_groups,
@@ -47,6 +48,7 @@ from _helpers import (
     require_impl,
     shard_model,
 )
+from _helpers import full as full_value
 from _launcher import run_ranks
 from test_deferred_init import LiveTensorBytes
 from torch import nn
@@ -565,6 +567,118 @@ def test_load_state_dict_with_assign(impl: str) -> None:
     for rep in run_ranks(rank_load_with_assign, 2, impl):
         assert rep["meta_diff"] <= 1e-6 and rep["trained_diff"] <= 1e-6, rep
         assert rep["devices"] == ["cpu"], rep
+
+
+class _TinyLM(nn.Module):
+    """Embedding, a layer, a norm and an output head, optionally tied to the embedding."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layer = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layer(self.embed(x))))
+
+
+def _meta_lm_with_a_module_group(impl: str, tied: bool) -> nn.Module:
+    """accelerate's layout for a tied model: one call for the layer, one for the modules
+    around it (the group's first parameter, ``norm``'s, is loaded after ``embed``'s)."""
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    with torch.device("meta"):
+        model = _TinyLM(tied)
+    fully_shard(model.layer, mesh=mesh)
+    fully_shard([model.norm, model.embed, model.head], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def rank_load_with_assign_into_a_module_group(impl: str, tied: bool) -> dict:
+    """A model built on the meta device, sharded with a group of several modules, loaded
+    with ``load_state_dict(assign=True)`` (accelerate's ``cpu_ram_efficient_loading``),
+    re-tied, then trained: it must train like the unsharded model."""
+    from torch.distributed.tensor import distribute_tensor
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = _TinyLM(tied)
+    full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = _meta_lm_with_a_module_group(impl, tied)
+    model.load_state_dict(
+        {
+            k: distribute_tensor(full[k], p.device_mesh, p.placements)
+            for k, p in model.state_dict().items()
+        },
+        assign=True,
+    )
+    if tied:
+        model.head.weight = model.embed.weight  # accelerate ties again after loading
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        tokens = torch.randint(0, 16, (2 * ws, 5), generator=gen)
+        model(tokens[2 * rank : 2 * rank + 2]).logsumexp(-1).mean().backward()
+        ref(tokens).logsumexp(-1).mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    params = {n: full_value(p).detach() for n, p in model.named_parameters()}
+    return {
+        "diff": max((params[n] - q).abs().max().item() for n, q in ref.named_parameters()),
+        "params": params if rank == 0 else None,
+        "still_tied": model.head.weight is model.embed.weight,
+    }
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_load_with_assign_into_a_group_of_modules(tied: bool) -> None:
+    """Each module's load post-hook re-binds its group as soon as that module is loaded;
+    with the group's first parameter still on the meta device, fsdp2 laid the flat buffer
+    out on the meta device and dropped the loaded values (the tied embedding trained from
+    zeros, silently)."""
+    reports = {}
+    for impl in IMPLS:
+        require_impl(impl)
+        reports[impl] = run_ranks(rank_load_with_assign_into_a_module_group, 2, impl, tied)
+        for rep in reports[impl]:
+            assert rep["diff"] <= 1e-5, (impl, rep["diff"])
+            assert rep["still_tied"] is tied, (impl, rep)
+    if len(reports) == 2:
+        ours, theirs = reports["fsdp2"][0]["params"], reports["torch"][0]["params"]
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            assert torch.equal(ours[name], theirs[name]), name
+
+
+def rank_partly_loaded_group() -> str:
+    """Only some of a group's modules loaded (``strict=False``): the rest stay on the meta
+    device, and the first forward must say so rather than compute with zeros."""
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _meta_lm_with_a_module_group("fsdp2", tied=False)
+    loaded = {
+        k: distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
+        for k, p in model.state_dict().items()
+        if not k.startswith("head.")
+    }
+    model.load_state_dict(loaded, assign=True, strict=False)
+    try:
+        model(torch.zeros(2, 5, dtype=torch.long))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_partly_loaded_group_is_a_clear_error() -> None:
+    for message in run_ranks(rank_partly_loaded_group, 2):
+        assert "on the meta device (Linear.weight) next to materialized ones" in message, message
+        assert "LayerNorm.weight" in message and "Embedding.weight" in message, message
 
 
 def rank_assign_plain_tensor() -> str:

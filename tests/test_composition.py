@@ -32,7 +32,7 @@ from _control_helpers import (
     rank_slice,
     reference_step,
 )
-from _helpers import IMPLS, get_fully_shard, is_dtensor, make_mesh, require_impl
+from _helpers import IMPLS, full, get_fully_shard, is_dtensor, make_mesh, require_impl
 from _launcher import run_ranks
 
 
@@ -123,3 +123,53 @@ def test_first_forward_inside_jvp(impl: str) -> None:
     require_impl(impl)
     diffs = run_ranks(_jvp_first_forward, 2, impl)
     assert max(diffs) <= TOL, diffs
+
+
+def _checkpoint_wrapped_blocks(impl: str, order: str) -> dict:
+    """Blocks wrapped in torch's ``CheckpointWrapper`` (activation checkpointing), sharded
+    as torchtitan does (the wrapper) or as accelerate does (the block, then its wrapper,
+    whose auto-wrap policy looks through the wrapper), then the root; three steps."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = build_net()
+    ref = clone_model(model)
+    fully_shard = get_fully_shard(impl)
+    mesh = make_mesh()
+    for i, block in enumerate(model.blocks):
+        wrapper = checkpoint_wrapper(block, preserve_rng_state=False)
+        model.blocks[i] = wrapper
+        if order == "block_then_wrapper":
+            fully_shard(block, mesh=mesh)
+        fully_shard(wrapper, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = adamw(model), adamw(ref)
+    for step in range(3):
+        batch = global_batch(step, 4 * ws)
+        mse(model, rank_slice(batch, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+        reference_step(ref, ref_opt, batch)
+    params = [full(p).detach() for p in model.parameters()]  # same order as ref's
+    return {
+        "diff": max((p - q).abs().max().item() for p, q in zip(params, ref.parameters())),
+        "same_keys": list(model.state_dict()) == list(ref.state_dict()),
+        "params": params if rank == 0 else None,
+    }
+
+
+@pytest.mark.parametrize("order", ["wrapper", "block_then_wrapper"])
+def test_checkpoint_wrapped_blocks(order: str) -> None:
+    """fsdp2 refused ``fully_shard`` on a wrapper around a sharded block ("already
+    applied"): ``CheckpointWrapper`` forwards unknown attributes to the block, so the
+    wrapper seemed to carry the block's state. Parity with the reference and bitwise with
+    torch, in both orders."""
+    results = {}
+    for impl in IMPLS:
+        require_impl(impl)
+        results[impl] = run_ranks(_checkpoint_wrapped_blocks, 2, impl, order)
+        for rep in results[impl]:
+            assert rep["diff"] <= TOL and rep["same_keys"], (impl, rep["diff"], rep["same_keys"])
+    if len(results) == 2:
+        for ours, theirs in zip(results["fsdp2"][0]["params"], results["torch"][0]["params"]):
+            assert torch.equal(ours, theirs)
