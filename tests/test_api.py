@@ -217,3 +217,27 @@ def test_private_unshard_async_op_switch_is_accepted() -> None:
     assert callable(fsdp2.FSDPModule._set_unshard_async_op)
     with pytest.raises(TypeError, match="expects a bool"):
         fsdp2.FSDPModule._set_unshard_async_op(object.__new__(fsdp2.FSDPModule), 1)  # type: ignore[arg-type]
+
+
+def test_integrations_snippet_points_torch_names_at_fsdp2() -> None:
+    """docs/integrations.md's snippet (run as written, in a fresh interpreter) makes the
+    names frameworks import from torch's FSDP packages fsdp2's."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "integrations.md"
+    match = re.search(r"```python\n(.*?)```", doc.read_text(), re.DOTALL)
+    assert match, f"no python block in {doc}"
+    check = (
+        "\nimport torch.distributed.fsdp\n"
+        "from torch.distributed._composable.fsdp import FSDPModule, fully_shard\n"
+        "assert torch.distributed.fsdp.fully_shard is fsdp2.fully_shard\n"
+        "assert torch.distributed.fsdp.FSDPModule is fsdp2.FSDPModule\n"
+        "assert (FSDPModule, fully_shard) == (fsdp2.FSDPModule, fsdp2.fully_shard)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", match.group(1) + check], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
