@@ -21,6 +21,7 @@ See ``docs/deferred_init.md`` and ``docs/checkpoint.md``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import pickle
 import re
@@ -264,12 +265,21 @@ def _init_each_param(
                 param.copy_(result)
 
 
+def _own_reset(m: nn.Module) -> Any:
+    """``m.reset_parameters`` if it is ``m``'s own: wrappers such as ``CheckpointWrapper``
+    forward unknown attributes to the module they wrap, whose method would run here on
+    its sharded parameters (and again when the loop reaches that module)."""
+    if inspect.getattr_static(m, "reset_parameters", None) is None:
+        return None  # not on the instance or its class: only reachable by forwarding
+    reset = getattr(m, "reset_parameters", None)
+    return reset if callable(reset) else None
+
+
 def _reset_modules(module: nn.Module) -> None:
     missing = [
         f"{name or '<root>'} ({type(m).__name__})"
         for name, m in module.named_modules()
-        if not callable(getattr(m, "reset_parameters", None))
-        and any(isinstance(p, DTensor) for p in m._parameters.values())
+        if _own_reset(m) is None and any(isinstance(p, DTensor) for p in m._parameters.values())
     ]
     if missing:
         raise ValueError(
@@ -278,8 +288,8 @@ def _reset_modules(module: nn.Module) -> None:
             f"initialize each parameter instead."
         )
     for name, m in module.named_modules():
-        reset = getattr(m, "reset_parameters", None)
-        if not callable(reset):
+        reset = _own_reset(m)
+        if reset is None:
             continue
         swapped: dict[str, tuple[DTensor, nn.Parameter]] = {}
         try:

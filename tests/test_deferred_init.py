@@ -323,6 +323,45 @@ def test_to_empty_on_sharded_module(op: str) -> None:
     assert errors == [None, None], errors[0]
 
 
+class _CountingLinear(nn.Linear):
+    resets = 0
+
+    def reset_parameters(self) -> None:
+        type(self).resets += 1
+        super().reset_parameters()
+
+
+def rank_reset_through_checkpoint_wrapper() -> dict:
+    """``init_sharded_`` with ``reset_parameters`` on blocks wrapped in ``CheckpointWrapper``,
+    which forwards unknown attributes (``reset_parameters`` too) to the block: each block
+    is reset once, with the values of the reference."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(SEED)
+    ref = nn.Sequential(_CountingLinear(8, 8), _CountingLinear(8, 4))
+    with torch.device("meta"):
+        model = nn.Sequential(*(checkpoint_wrapper(_CountingLinear(*s)) for s in [(8, 8), (8, 4)]))
+    for wrapper in model:
+        fsdp2.fully_shard(wrapper)
+    fsdp2.fully_shard(model)
+    _CountingLinear.resets = 0
+    torch.manual_seed(SEED)
+    fsdp2.init_sharded_(model)
+    values = [p.full_tensor() for p in model.parameters()]
+    return {
+        "resets": _CountingLinear.resets,
+        "diff": max((v - q).abs().max().item() for v, q in zip(values, ref.parameters())),
+    }
+
+
+def test_reset_parameters_through_checkpoint_wrapper() -> None:
+    """The wrapper forwarded ``reset_parameters``, so each block was reset twice (once as
+    the wrapper's, on its sharded parameters, where the CPU draws the same values on every
+    rank), and the reference's random stream was consumed twice."""
+    for rep in run_ranks(rank_reset_through_checkpoint_wrapper, 2):
+        assert rep == {"resets": 2, "diff": 0.0}, rep
+
+
 def rank_init_errors() -> list[str]:
     class Scale(nn.Module):
         def __init__(self) -> None:
