@@ -70,6 +70,11 @@ From seed ``EXTENSIONS_FROM`` (7000) on (keys absent before), all-gather extensi
   the same numerics as a plain weight, so parity with the reference holds. The reference
   keeps plain weights.
 
+From seed ``META_LOAD_FROM`` (7500) on, ``meta_load`` (cases without extensions): each
+implementation's model is built on the meta device, sharded, and loaded with
+``load_state_dict(assign=True)`` from ``DTensor`` shards of the case's weights, a tied head
+tied again afterwards (accelerate's ``cpu_ram_efficient_loading``).
+
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
@@ -141,6 +146,9 @@ SHARDING_FROM = 4000
 PER_PARAM_MESH_FROM = 6000
 # From this seed on, some Linear weights use all-gather extensions (``Gathered``).
 EXTENSIONS_FROM = 7000
+# From this seed on, some cases (without extensions) build the model on the meta device,
+# shard it and load the weights with ``load_state_dict(assign=True)`` (``meta_load``).
+META_LOAD_FROM = 7500
 
 # Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
 # ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
@@ -510,6 +518,8 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         ext_rng = random.Random(seed * 32452843 + 71)
         case["p_ext"] = ext_rng.choice([0.0, 0.4, 0.8])
         case["ext_pad"] = ext_rng.random() < 0.7
+    if seed >= META_LOAD_FROM:
+        case["meta_load"] = random.Random(seed * 49979687 + 83).random() < 0.35
     case.update(overrides)
     model = Root(case["spec"])
     if "plan" not in overrides:
@@ -817,7 +827,7 @@ def describe(case: dict) -> str:
     keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
     keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
-    keys += ["ext_pad"]
+    keys += ["ext_pad", "meta_load"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
     listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops", "ext")
     lines += [f"{k}={case[k]!r}" for k in listed if k in case]
@@ -848,6 +858,7 @@ def features(case: dict) -> set[str]:
     out |= {f"experts_{m}" for m in ("view", "flat") if f"'{m}')" in spec}
     out |= {"hsdp"} if case.get("mesh") else set()
     out |= {"ext_pad" if case["ext_pad"] else "ext_unpadded"} if case.get("ext") else set()
+    out |= {"meta_load"} if _meta_load(case) else set()
     if case["accum"] and case.get("accum_mode", "gradient_sync") != "gradient_sync":
         out.add(f"accum_{case['accum_mode']}")
     dims = [d for dims in case.get("shard_dims") or [] if dims for d in dims.values()]
@@ -1130,14 +1141,47 @@ def run_impls(case: dict, impls: tuple[str, ...] = ("fsdp2", "torch")) -> dict[s
     param_meshes = param_mesh_infos(case)  # before sharding, the same on every rank
     records = {}
     for impl in impls:
-        model = make_model(case)
-        _make_gathered(model, case)
-        shard(case, model, impl, mesh, param_meshes)
+        if _meta_load(case):
+            model = _meta_loaded(case, impl, mesh, param_meshes)
+        else:
+            model = make_model(case)
+            _make_gathered(model, case)
+            shard(case, model, impl, mesh, param_meshes)
         records[impl] = train(case, model, rank)
         if rank != 0:
             for entry in records[impl]["steps"]:
                 del entry["grads"], entry["params"]
     return records
+
+
+def _meta_load(case: dict) -> bool:
+    return bool(case.get("meta_load")) and not case.get("ext")
+
+
+def _meta_loaded(case: dict, impl: str, mesh: Any, param_meshes: dict[str, Any]) -> Root:
+    """The case's model built on the meta device, sharded, then given the case's weights
+    with ``load_state_dict(assign=True)`` from sharded ``DTensor``s (accelerate's
+    ``cpu_ram_efficient_loading``); a tied head is tied again after loading, as accelerate
+    does (the load gives each key its own parameter)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    weights = make_model(case).state_dict()
+    with torch.device("meta"):
+        model = Root(case["spec"])
+    for name, p in model.named_parameters():
+        if name in case["frozen"]:
+            p.requires_grad_(False)
+    shard(case, model, impl, mesh, param_meshes)
+    sharded = {
+        key: distribute_tensor(weights[key], value.device_mesh, value.placements)
+        if isinstance(value, DTensor)
+        else weights[key].clone()
+        for key, value in model.state_dict().items()
+    }
+    model.load_state_dict(sharded, assign=True)
+    if case["spec"]["tied"] and model.head is not None:
+        model.head.weight = model.embed.weight
+    return model
 
 
 # Meshes of this rank process, by shape and world group: made once, so cases do not each
