@@ -79,7 +79,9 @@ tied again afterwards (accelerate's ``cpu_ram_efficient_loading``).
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
 model on the global batch in the calling process. ``compare_impls`` / ``compare_reference``
-list the differences.
+list the differences. ``torch_lacks(case)`` names a torch feature the case needs that this
+torch lacks (per-parameter meshes before 2.13): torch is not run on such a case, and fsdp2
+is still checked against the reference (label ``torch_unsupported``).
 
 To fuzz a range of seeds (a few hundred take a few minutes on 2 cores)::
 
@@ -93,7 +95,7 @@ import functools
 import math
 import random
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -998,9 +1000,32 @@ def _placement(
     placement = None if dim is None else Shard(dim)
     if meshes is None or fqns[id(param)] not in meshes:
         return placement
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:  # torch < 2.13: fsdp2 takes any (placement, mesh_info) pair
+        return PlacementResult(placement, meshes[fqns[id(param)]])
     return ShardPlacementResult(placement=placement, mesh_info=meshes[fqns[id(param)]])
+
+
+class PlacementResult(NamedTuple):
+    """What fsdp2 reads of torch's ``ShardPlacementResult``, for torch < 2.13 (whose
+    ``fully_shard`` has no per-parameter meshes: ``torch_lacks``)."""
+
+    placement: Any
+    mesh_info: Any
+
+
+def torch_lacks(case: dict) -> str | None:
+    """The feature of torch's ``fully_shard`` that ``case`` needs and this torch lacks,
+    or None: per-parameter meshes (``ShardPlacementResult``, torch >= 2.13)."""
+    if any(case.get("param_mesh") or ()):
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401
+                ShardPlacementResult,
+            )
+        except ImportError:
+            return f"torch {torch.__version__} has no ShardPlacementResult (per-parameter meshes)"
+    return None
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -1322,7 +1347,10 @@ def check(case: dict, timeout: float = 60.0) -> dict[str, Any]:
 
     out: dict[str, Any] = {"errors": {}}
     results: dict[str, list[dict]] = {}
-    for impl in ("fsdp2", "torch"):  # one launch each, so a failure names its side
+    impls = ("fsdp2", "torch")
+    if (lacks := torch_lacks(case)) is not None:
+        out["torch_unsupported"], impls = [lacks], ("fsdp2",)
+    for impl in impls:  # one launch each, so a failure names its side
         try:
             results[impl] = [
                 r[impl] for r in run_ranks(run_impls, case["ws"], case, (impl,), timeout=timeout)
@@ -1346,12 +1374,17 @@ def classify(out: dict[str, Any], case: dict | None = None) -> str:
     forward, with gradient accumulation: torch reduce-scatters after each call's backward,
     fsdp2 once after the last, so the sums round differently (not a bug of either).
     ``torch_error_fsdp2_off_reference``: torch raised and fsdp2 differs from the reference
-    (plain ``torch_error``: fsdp2 matches it)."""
+    (plain ``torch_error``: fsdp2 matches it); ``torch_unsupported`` (and
+    ``..._fsdp2_off_reference``) likewise where this torch lacks a feature the case needs
+    (``torch_lacks``) and torch was not run."""
     errors = out["errors"]
     if errors:
         # Only torch failed: fsdp2 must still match the reference.
         off = list(errors) == ["torch"] and out.get("fsdp2_vs_reference")
         return "+".join(sorted(errors)) + "_error" + ("_fsdp2_off_reference" if off else "")
+    if "torch_unsupported" in out:
+        off = out["fsdp2_vs_reference"]
+        return "torch_unsupported" + ("_fsdp2_off_reference" if off else "")
     if out["fsdp2_vs_torch"]:
         off = [impl for impl in ("fsdp2", "torch") if out[f"{impl}_vs_reference"]]
         label = "mismatch" + "".join(f"_{impl}_off_reference" for impl in off)

@@ -72,6 +72,34 @@ def require_impl(impl: str) -> None:
     get_fsdp_module_cls(impl)
 
 
+def torch_fsdp_has(module: str, qualname: str) -> bool:
+    """Whether torch's ``torch.distributed.fsdp.<module>`` (``""``: the package itself)
+    defines ``qualname`` (dotted: ``torch_fsdp_has("", "FSDPModule.reset_iter_state")``):
+    feature detection for what older torch's FSDP2 lacks."""
+    try:
+        obj: Any = importlib.import_module(
+            ".".join(filter(None, ("torch.distributed.fsdp", module)))
+        )
+    except ImportError:
+        return False
+    for name in qualname.split("."):
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def require_impl_feature(impl: str, torch_has_it: bool, feature: str) -> None:
+    """``require_impl``, and skip the ``torch`` variant of a test when this torch's FSDP2
+    lacks ``feature`` (``torch_has_it``: a feature check such as ``torch_fsdp_has``). The
+    ``fsdp2`` variant always runs: only the comparison with torch is lost."""
+    require_impl(impl)
+    if impl == "torch" and not torch_has_it:
+        import pytest
+
+        pytest.skip(f"torch {torch.__version__}'s FSDP2 lacks {feature}")
+
+
 def make_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 

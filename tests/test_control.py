@@ -51,7 +51,14 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, get_fully_shard, is_dtensor, require_impl
+from _helpers import (
+    IMPLS,
+    get_fully_shard,
+    is_dtensor,
+    require_impl,
+    require_impl_feature,
+    torch_fsdp_has,
+)
 from _launcher import run_ranks
 from test_grad_accumulation import exec_doc_example, first_python_block
 from torch.distributed.tensor import DTensor
@@ -400,7 +407,9 @@ def recover(impl: str, where: str) -> dict:
     [("fsdp2", "forward"), ("torch", "forward"), ("fsdp2", "backward")],
 )
 def test_reset_iter_state_after_exception(impl: str, where: str) -> None:
-    require_impl(impl)
+    require_impl_feature(
+        impl, torch_fsdp_has("", "FSDPModule.reset_iter_state"), "FSDPModule.reset_iter_state"
+    )
     for report in run_ranks(recover, 2, impl, where):
         assert len(report["errors"]) == 1 and "injected" in report["errors"][0], report
         assert report["sharded_after_reset"], "reset_iter_state left parameters unsharded"
@@ -601,7 +610,11 @@ def test_separate_reduce_scatter_group(impl: str) -> None:
     """torch's ``set_separate_reduce_scatter_group``: reduce-scatters on a process group
     of their own (one for all groups over the same ranks), switchable back; fsdp2 raised
     NotImplementedError."""
-    require_impl(impl)
+    require_impl_feature(
+        impl,
+        torch_fsdp_has("", "FSDPModule.set_separate_reduce_scatter_group"),
+        "FSDPModule.set_separate_reduce_scatter_group",
+    )
     for report in run_ranks(separate_reduce_scatter_group, 2, impl):
         assert report["diff"] <= TOL, report["diff"]
         assert report["used"] == ["separate"] * 3 + ["shared"], report["used"]

@@ -57,6 +57,7 @@ from _helpers import (
     memory_regions,
     memory_span,
     require_impl,
+    torch_fsdp_has,
 )
 from _launcher import run_ranks
 from test_grad_accumulation import exec_doc_example, first_python_block
@@ -619,13 +620,17 @@ def mixed_collectives(other: str, param_dtype, reduce_dtype, sizes: dict) -> dic
             assert keys.setdefault(numel, group) == group, f"group sizes collide: {sizes}"
     ag_storages: list[int] = []
     with CollectiveLog(keys) as log:
-        inner = dist.all_gather_single
+        # The function fsdp2's all_gather_flat calls (torch < 2.13 has no all_gather_single).
+        name = (
+            "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        )
+        inner = getattr(dist, name)
 
         def spy(output_tensor, input_tensor, *args, **kwargs):
             ag_storages.append(memory_span(input_tensor))
             return inner(output_tensor, input_tensor, *args, **kwargs)
 
-        dist.all_gather_single = spy
+        setattr(dist, name, spy)
         try:
             for step in range(2):
                 x, y = rank_slice(global_batch(step, 2 * ws), rank, ws)
@@ -637,7 +642,7 @@ def mixed_collectives(other: str, param_dtype, reduce_dtype, sizes: dict) -> dic
                 opt.step()
                 opt.zero_grad()
         finally:
-            dist.all_gather_single = inner
+            setattr(dist, name, inner)
     shard_storages = {
         g: memory_regions([p for _, p in ps]) for g, ps in mixed_groups(model).items()
     }
@@ -853,11 +858,21 @@ def rank_unsynced_accumulation_and_recompute(impl: str) -> dict:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_unsynced_accumulation_and_recompute_casts(impl: str) -> None:
     require_impl(impl)
+    # torch < 2.13's post-forward hook returns early inside backward (the recomputation)
+    # without the output_dtype cast; 2.13 applies it there (FSDPState._cast_output_dtype).
+    recompute_casts = impl == "fsdp2" or torch_fsdp_has(
+        "_fully_shard._fsdp_state", "FSDPState._cast_output_dtype"
+    )
     for rep in run_ranks(rank_unsynced_accumulation_and_recompute, 2, impl):
         # 2 ranks with the same inputs: the average of 259 over ranks is 259.
         assert rep["accumulated"] == [259.0] * 4, rep
         twice = [("in", "torch.bfloat16"), ("out", "torch.float32")] * 2
-        assert rep["seen"] == twice, rep
+        assert rep["seen"] == twice or not recompute_casts, rep
+    if not recompute_casts:
+        pytest.skip(
+            f"torch {torch.__version__}'s FSDP2 lacks FSDPState._cast_output_dtype (the "
+            "output_dtype cast of a checkpoint recomputation); accumulation checked"
+        )
 
 
 class FrozenFloat8(nn.Module):

@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import get_fully_shard, require_impl
+from _helpers import get_fully_shard, require_impl, require_impl_feature, torch_fsdp_has
 from _launcher import run_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -132,7 +132,13 @@ def rank_group_casts_every_module(impl: str) -> dict:
 
 @pytest.mark.parametrize("impl", ["fsdp2", "torch"])
 def test_group_casts_inputs_of_every_module(impl: str) -> None:
-    require_impl(impl)
+    # torch < 2.13 runs a group's pre-forward hook (and its input cast) for the first
+    # module only; 2.13 runs it for every module (FSDPState._cast_forward_inputs).
+    require_impl_feature(
+        impl,
+        torch_fsdp_has("_fully_shard._fsdp_state", "FSDPState._cast_forward_inputs"),
+        "FSDPState._cast_forward_inputs (the input cast of every module of a group)",
+    )
     for rep in run_ranks(rank_group_casts_every_module, 2, impl):
         assert rep == {"dtype": "torch.bfloat16", "grad_dtype": "torch.float32"}, rep
 
