@@ -45,11 +45,10 @@ from _helpers import (
 from _launcher import run_ranks
 
 
-def _train_against_reference(model: torch.nn.Module, ref: torch.nn.Module) -> dict:
-    """Three steps of ``model`` (sharded or replicated parts) and of the unsharded ``ref`` on
-    the global batch: which parameters are DTensors, and the largest parameter difference."""
+def _train_three_steps(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Three AdamW steps of ``model`` on this rank's rows and of the unsharded ``ref`` on
+    the global batch."""
     rank, ws = dist.get_rank(), dist.get_world_size()
-    kinds = {name: is_dtensor(p) for name, p in model.named_parameters()}
     opt, ref_opt = adamw(model), adamw(ref)
     for step in range(3):
         batch = global_batch(step, 4 * ws)
@@ -57,6 +56,13 @@ def _train_against_reference(model: torch.nn.Module, ref: torch.nn.Module) -> di
         opt.step()
         opt.zero_grad()
         reference_step(ref, ref_opt, batch)
+
+
+def _train_against_reference(model: torch.nn.Module, ref: torch.nn.Module) -> dict:
+    """``_train_three_steps`` of ``model`` (sharded or replicated parts): which parameters
+    are DTensors, and the largest parameter difference."""
+    kinds = {name: is_dtensor(p) for name, p in model.named_parameters()}
+    _train_three_steps(model, ref)
     return {"kinds": kinds, "diff": max_param_diff(ref, model)}
 
 
@@ -146,7 +152,6 @@ def _checkpoint_wrapped_blocks(impl: str, order: str) -> dict:
     whose auto-wrap policy looks through the wrapper), then the root; three steps."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    rank, ws = dist.get_rank(), dist.get_world_size()
     model = build_net()
     ref = clone_model(model)
     fully_shard = get_fully_shard(impl)
@@ -158,18 +163,12 @@ def _checkpoint_wrapped_blocks(impl: str, order: str) -> dict:
             fully_shard(block, mesh=mesh)
         fully_shard(wrapper, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt, ref_opt = adamw(model), adamw(ref)
-    for step in range(3):
-        batch = global_batch(step, 4 * ws)
-        mse(model, rank_slice(batch, rank, ws)).backward()
-        opt.step()
-        opt.zero_grad()
-        reference_step(ref, ref_opt, batch)
+    _train_three_steps(model, ref)
     params = [full(p).detach() for p in model.parameters()]  # same order as ref's
     return {
         "diff": max((p - q).abs().max().item() for p, q in zip(params, ref.parameters())),
         "same_keys": list(model.state_dict()) == list(ref.state_dict()),
-        "params": params if rank == 0 else None,
+        "params": params if dist.get_rank() == 0 else None,
     }
 
 
