@@ -45,6 +45,10 @@ Design
   pool forked afterwards (a new world size, or one rebuilt after a failure) would then be
   unusable. The fork server is a fresh interpreter that never runs autograd, so its
   children are clean whatever the test process did before.
+* Device meshes create process groups in every task, and nothing destroys them (torch's
+  DTensor caches keep meshes across tasks, so their groups must stay valid). A worker that
+  holds more than ``MAX_LIVE_GROUPS`` is replaced after its task, so the gloo threads and
+  sockets each group keeps stay bounded over the suite.
 * Workers are daemonic (a rank function cannot start its own ``multiprocessing`` children).
 * Workers exit on their own if the pytest process dies (pipe EOF plus a ``getppid``
   watchdog thread), and all pools are shut down at interpreter exit (``atexit``) and at the
@@ -96,6 +100,12 @@ PRELOAD_MODULES: list[str] = [
     "torch._dynamo",  # imported lazily by the optimizers / DTensor dispatch on first use
     "torch.utils.checkpoint",
 ]
+# A worker holding more process groups than this is replaced after its task. Device
+# meshes make new groups in every task and nothing destroys them (torch's DTensor caches
+# hold meshes across tasks, so destroying their groups would break later tasks); each
+# gloo group keeps its own threads and sockets, so a worker that served the whole suite
+# held thousands of both. A fresh pool costs about a second.
+MAX_LIVE_GROUPS = 64
 # Cap on the captured output quoted per rank in an error message (the tail is kept).
 MAX_LOG_CHARS = 20_000
 
@@ -272,7 +282,8 @@ def _worker_main(
             fn, args, kwargs = pickle.loads(payload)
             result = fn(*args, **kwargs)
             try:
-                data = pickle.dumps(("ok", task_id, result, dist.is_initialized()))
+                reusable = dist.is_initialized() and _live_groups() <= MAX_LIVE_GROUPS
+                data = pickle.dumps(("ok", task_id, result, reusable))
             except Exception as exc:
                 raise TypeError(
                     f"the return value of {_fn_name(fn)} on rank {rank} is not picklable: "
@@ -287,6 +298,13 @@ def _worker_main(
             sys.stderr.flush()
             conn.send_bytes(data)
         _redirect_std_fds(os.path.join(log_dir, f"worker-rank{rank}.log"))
+
+
+def _live_groups() -> int:
+    """How many process groups this process holds (the default one included)."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
 
 
 def _socket_if_names() -> list[tuple[int, str]]:
@@ -485,7 +503,9 @@ class _Pool:
         time.sleep(0.05)  # let the other threads' stacks finish too
 
     def run(self, fn: Any, payload: bytes, timeout: float, fn_name: str) -> tuple[list[Any], bool]:
-        """Returns (results, healthy). Raises on any failure (the caller tears down)."""
+        """Returns (results, reusable): ``reusable`` is false when a rank's process group
+        is gone or it holds more than ``MAX_LIVE_GROUPS`` groups. Raises on any failure
+        (the caller tears down)."""
         __tracebackhide__ = True  # pytest: show the test and the remote traceback, not this
         ws = self.world_size
         self.task_counter += 1
@@ -500,7 +520,7 @@ class _Pool:
         errors: dict[int, tuple[str, str, str]] = {}
         exceptions: dict[int, BaseException] = {}
         died: dict[int, str] = {}
-        healthy = True
+        reusable = True
         first_failure: float | None = None
         pending = set(range(ws))
         while pending:
@@ -529,7 +549,7 @@ class _Pool:
                 pending.discard(rank)
                 if msg[0] == "ok":
                     results[rank] = msg[2]
-                    healthy = healthy and bool(msg[3])
+                    reusable = reusable and bool(msg[3])
                 else:
                     _, _, type_name, text, tb, pickled = msg
                     errors[rank] = (type_name, text, tb)
@@ -546,7 +566,7 @@ class _Pool:
             for path in log_paths:
                 with contextlib.suppress(OSError):
                     os.remove(path)
-            return [results[r] for r in range(ws)], healthy
+            return [results[r] for r in range(ws)], reusable
 
         header = f"run_ranks({fn_name}, world_size={ws})"
         sections: list[str] = []
@@ -641,14 +661,14 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0, **kw
             pool = _Pool(world_size)
             _POOLS[world_size] = pool
         try:
-            results, healthy = pool.run(fn, payload, timeout, name)
+            results, reusable = pool.run(fn, payload, timeout, name)
         except BaseException:
             # Failure, timeout, or an interrupt in the parent (Ctrl-C, pytest-timeout):
             # the ranks may be mid-collective, so the pool cannot be trusted any more.
             _POOLS.pop(world_size, None)
             pool.kill()
             raise
-        if not healthy:  # e.g. fn destroyed the default process group
+        if not reusable:  # fn destroyed the default process group, or groups piled up
             _POOLS.pop(world_size, None)
             pool.stop()
         return results

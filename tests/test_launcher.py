@@ -85,6 +85,14 @@ def _backward_and_parent() -> tuple[float, int]:
     return x.grad.sum().item(), os.getppid()
 
 
+def _make_groups(count: int) -> tuple[int, int]:
+    from torch.distributed import distributed_c10d
+
+    for _ in range(count):
+        dist.new_group(list(range(dist.get_world_size())))
+    return os.getpid(), len(distributed_c10d._world.pg_map)
+
+
 def _check_state_reset() -> tuple:
     return (callable(dist.all_reduce), torch.is_grad_enabled(), torch.rand(1).item())
 
@@ -197,6 +205,21 @@ def test_state_is_reset_between_tasks() -> None:
     torch.manual_seed(0)
     expected = torch.rand(1).item()
     assert results == [(True, True, expected)] * 2
+
+
+def test_workers_holding_many_groups_are_replaced() -> None:
+    """Device meshes make new process groups in every task and nothing destroys them;
+    a worker that holds more than ``MAX_LIVE_GROUPS`` (each with its gloo threads and
+    sockets) is replaced after the task, so resources stay bounded over the suite."""
+    _launcher.shutdown_pools()
+    few = _launcher.MAX_LIVE_GROUPS // 2
+    first = run_ranks(_make_groups, 2, few)
+    kept = run_ranks(_make_groups, 2, few)  # now over the limit: replaced afterwards
+    fresh = run_ranks(_make_groups, 2, 0)
+    assert [pid for pid, _ in kept] == [pid for pid, _ in first]
+    assert [n for _, n in kept] == [1 + 2 * few] * 2
+    assert not {pid for pid, _ in fresh} & {pid for pid, _ in kept}
+    assert [n for _, n in fresh] == [1, 1]
 
 
 @pytest.mark.skipif(
