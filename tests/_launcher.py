@@ -30,6 +30,10 @@ Design
     (a ``TimeoutError``) is raised naming them, with their stacks and output;
   - a rank process dies (segfault, ``os._exit``): :class:`RankDiedError` (a ``RankError``)
     with its exit code or signal, reported as soon as the others answer or after the grace.
+    A death by a native-crash signal (segfault, abort, bus error) is first retried once
+    on a fresh pool with a :class:`NativeCrashRetried` warning (``NATIVE_CRASH_SIGNALS``):
+    torch's and gloo's native code crash very rarely on their own, and one such crash
+    should not fail a CI run of hundreds of tests; a crash that recurs still fails.
 
   After *any* failure the pool of that world size is killed and rebuilt on next use, so a
   bad test cannot poison the following ones.
@@ -75,10 +79,12 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from datetime import timedelta
 from typing import Any
 
 __all__ = [
+    "NativeCrashRetried",
     "RankDiedError",
     "RankError",
     "RankTimeoutError",
@@ -106,6 +112,15 @@ PRELOAD_MODULES: list[str] = [
 # gloo group keeps its own threads and sockets, so a worker that served the whole suite
 # held thousands of both. A fresh pool costs about a second.
 MAX_LIVE_GROUPS = 64
+# A task whose rank died of one of these signals (a crash in native code: torch, gloo) is
+# run once more on a fresh pool, with a ``NativeCrashRetried`` warning that quotes the
+# crash; a second crash fails the test. FSDP2_TESTS_RETRY_CRASHES=0 turns this off.
+NATIVE_CRASH_SIGNALS = frozenset(
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")
+    if hasattr(signal, name)
+)
+RETRY_NATIVE_CRASHES = os.environ.get("FSDP2_TESTS_RETRY_CRASHES", "1") != "0"
 # Cap on the captured output quoted per rank in an error message (the tail is kept).
 MAX_LOG_CHARS = 20_000
 
@@ -129,7 +144,18 @@ class RankError(RuntimeError):
 
 
 class RankDiedError(RankError):
-    """A rank process exited without answering (crash, ``os._exit``, killed)."""
+    """A rank process exited without answering (crash, ``os._exit``, killed).
+    ``signals`` maps each rank that a signal ended to the signal's number."""
+
+    def __init__(self, *args: Any, signals: dict[int, int] | None = None) -> None:
+        super().__init__(*args)
+        self.signals = signals or {}
+
+
+class NativeCrashRetried(UserWarning):
+    """A rank crashed in native code and the task was run again (the message quotes the
+    crash). Rare crashes inside torch or gloo should not fail CI; an fsdp2 crash that
+    recurs still fails the test, on its second crash."""
 
 
 class RankTimeoutError(TimeoutError):
@@ -520,6 +546,7 @@ class _Pool:
         errors: dict[int, tuple[str, str, str]] = {}
         exceptions: dict[int, BaseException] = {}
         died: dict[int, str] = {}
+        signals: dict[int, int] = {}
         reusable = True
         first_failure: float | None = None
         pending = set(range(ws))
@@ -542,7 +569,10 @@ class _Pool:
                     msg = self.conns[rank].recv()
                 except (EOFError, OSError):
                     self.procs[rank].join(1.0)
-                    died[rank] = _describe_exit(self.procs[rank].exitcode)
+                    code = self.procs[rank].exitcode
+                    died[rank] = _describe_exit(code)
+                    if code is not None and code < 0:
+                        signals[rank] = -code
                     pending.discard(rank)
                     first_failure = first_failure or time.monotonic()
                     continue
@@ -596,8 +626,9 @@ class _Pool:
             if stuck:
                 what.append(f"rank(s) {stuck} were still running {FAILURE_GRACE:.0f} s later")
             msg = f"{header}: {'; '.join(what)}\n\n{body}"
-            cls = RankDiedError if died else RankError
-            raise cls(msg, failed, errors, exceptions)
+            if not died:
+                raise RankError(msg, failed, errors, exceptions)
+            raise RankDiedError(msg, failed, errors, exceptions, signals=signals)
         raise RankTimeoutError(
             f"{header}: rank(s) {stuck} did not finish within {timeout:g} s "
             f"(finished: {sorted(results)})\n\n{body}",
@@ -637,7 +668,9 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0, **kw
     remote traceback and output if any rank raises, :class:`RankDiedError` if a rank
     process dies, and :class:`RankTimeoutError` (a ``TimeoutError``) naming the unfinished
     ranks if the ranks do not all finish within ``timeout`` seconds. After any of these the
-    pool of that world size is discarded and rebuilt on the next call.
+    pool of that world size is discarded and rebuilt on the next call. A rank that
+    crashes in native code (``NATIVE_CRASH_SIGNALS``) gets the task one more run on a
+    fresh pool, with a :class:`NativeCrashRetried` warning.
     """
     __tracebackhide__ = True
     if not 1 <= world_size <= MAX_WORLD_SIZE:
@@ -652,6 +685,20 @@ def run_ranks(fn: Any, world_size: int, *args: Any, timeout: float = 120.0, **kw
     except Exception as exc:
         raise TypeError(f"run_ranks({name}): fn/args/kwargs are not picklable: {exc}") from exc
 
+    try:
+        return _run_on_pool(fn, world_size, payload, timeout, name)
+    except RankDiedError as crash:
+        if not (RETRY_NATIVE_CRASHES and set(crash.signals.values()) & NATIVE_CRASH_SIGNALS):
+            raise
+        warnings.warn(
+            NativeCrashRetried(f"run_ranks ran the task once more after this crash:\n{crash}"),
+            stacklevel=2,
+        )
+    return _run_on_pool(fn, world_size, payload, timeout, name)
+
+
+def _run_on_pool(fn: Any, world_size: int, payload: bytes, timeout: float, name: str) -> list:
+    __tracebackhide__ = True
     with _LOCK:
         pool = _POOLS.get(world_size)
         if pool is not None and not pool.alive():

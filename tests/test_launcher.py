@@ -9,6 +9,7 @@ networking, ``GLOO_SOCKET_IFNAME``, temp dir permissions).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -66,6 +67,17 @@ def _exit_on_rank(rank: int) -> None:
     if dist.get_rank() == rank:
         os._exit(7)
     dist.barrier()
+
+
+def _crash_on_rank(rank: int, marker: str, times: int) -> int:
+    """Segfault on ``rank`` the first ``times`` calls (counted in the file ``marker``)."""
+    if dist.get_rank() == rank:
+        calls = len(Path(marker).read_text()) if os.path.exists(marker) else 0
+        Path(marker).write_text("x" * (calls + 1))
+        if calls < times:
+            os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return dist.get_rank()
 
 
 def _unpicklable_result() -> object:
@@ -183,6 +195,24 @@ def test_dead_rank_is_reported() -> None:
     # Rank 1 died; rank 0 either errors out of the barrier or is killed after the grace.
     assert 1 in info.value.failed_ranks
     assert "rank 1 died (exit code 7)" in str(info.value)
+    assert len(run_ranks(_identity, 2, "after")) == 2
+
+
+@pytest.mark.skipif(not _launcher.RETRY_NATIVE_CRASHES, reason="FSDP2_TESTS_RETRY_CRASHES=0")
+def test_native_crash_runs_the_task_once_more(tmp_path: Path) -> None:
+    """A rank that crashes in native code (a segfault here) gets one more run on a fresh
+    pool, with a warning quoting the crash; a second crash fails the test."""
+    once = str(tmp_path / "once")
+    with pytest.warns(
+        _launcher.NativeCrashRetried, match=r"rank 1 died \(killed by signal SIGSEGV"
+    ):
+        assert run_ranks(_crash_on_rank, 2, 1, once, 1, timeout=60) == [0, 1]
+    assert Path(once).read_text() == "xx"
+    twice = str(tmp_path / "twice")
+    with pytest.warns(_launcher.NativeCrashRetried), pytest.raises(RankDiedError) as info:
+        run_ranks(_crash_on_rank, 2, 1, twice, 2, timeout=60)
+    assert info.value.signals == {1: signal.SIGSEGV}
+    assert Path(twice).read_text() == "xx"
     assert len(run_ranks(_identity, 2, "after")) == 2
 
 
