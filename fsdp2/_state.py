@@ -33,6 +33,7 @@ from fsdp2._comm_context import CommContext
 from fsdp2._module_io import cast_floating, map_tensors, tensors_in
 from fsdp2._param_group import ParamGroup
 from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
+from fsdp2._rank_agreement import check_ranks_agree
 from fsdp2._stream_utils import wait_event, wait_stream
 
 # Debug events of the hooks, named like torch's ("FSDP::pre_forward (layers.0)"), under
@@ -271,6 +272,8 @@ class FSDPState:
                     group.comm = tree.comm  # initialized under a submodule's unshard() already
                 else:
                     group.lazy_init(tree.comm)
+        pairs = [(group, state.fqn) for state in states for group in state.groups]
+        check_ranks_agree([group for group, _ in pairs], [path for _, path in pairs])
         return tree
 
     @property

@@ -175,6 +175,7 @@ MODULE_CHAIN = [
     "_state",
     "_backward_nodes",
     "_module_io",
+    "_rank_agreement",
     "_param_group",
     "_grad_reduce",
     "_comm_context",

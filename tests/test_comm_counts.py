@@ -161,8 +161,12 @@ def test_collectives_per_step(impl: str, variant: str) -> None:
             assert bwd.get("reduce_scatter", 0) == L + 1, (
                 f"{where}step {step}: expected {L + 1} backward reduce-scatters"
             )
-            for phase in (fwd, bwd):
-                assert phase.get("all_reduce", 0) == 0, f"{where}step {step}: all-reduce used"
+            # fsdp2's lazy init checks once that the ranks shard the same layouts: one
+            # small all-reduce in the first forward ([Note: ranks that built different
+            # models]); none after it.
+            checks = 1 if impl == "fsdp2" and step == 0 else 0
+            assert fwd.get("all_reduce", 0) == checks, f"{where}step {step}: all-reduces"
+            assert bwd.get("all_reduce", 0) == 0, f"{where}step {step}: all-reduce used"
             assert not optim, f"{where}step {step}: collectives in the optimizer step"
 
 

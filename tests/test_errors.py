@@ -426,3 +426,74 @@ def accepts_torch_policies() -> list[str]:
 
 def test_torch_policy_objects_are_accepted() -> None:
     assert run_ranks(accepts_torch_policies, 2)[0] == ["torch.float64", "torch.float64"]
+
+
+class _Stack(nn.Module):
+    def __init__(self, widths: list[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, w) for w in widths)
+        self.head = nn.Linear(widths[-1], 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[..., :8]
+        return self.head(x)
+
+
+def ranks_build_different_models(case: str) -> str:
+    """Rank 1 (``case``: ranks 2 and 3 of an HSDP mesh) builds another model than the
+    others; returns the message every rank raises at the first forward."""
+    hsdp = case == "hsdp_replicas"
+    odd = dist.get_rank() >= 2 if hsdp else dist.get_rank() == 1
+    widths = [8, 8, 8]
+    if odd and case in ("sizes", "hsdp_replicas"):
+        widths = [8, 9, 8]
+    if odd and case == "groups":
+        widths = [8, 8, 8, 8]
+    torch.manual_seed(0)
+    model = _Stack(widths)
+    if odd and case == "frozen":
+        model.layers[1].bias.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (2, 2) if hsdp else (2,))
+    for layer in model.layers:
+        fsdp2.fully_shard(layer, mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        ("sizes", r"in layers\.1 \(Linear\) \(group 3 of 4 on it\): rank {me} has 'weight' "
+                  r"\[{mine}, 8\] float32; 'bias' \[{mine}\] float32; rank {other} has "
+                  r"'weight' \[{theirs}, 8\] float32; 'bias' \[{theirs}\] float32\."),
+        ("groups", r"rank {me} has {n_mine} fully_shard groups on it, rank {other} has "
+                   r"{n_theirs} \(this rank's: the root \(_Stack\), layers\.0 \(Linear\)"),
+        ("frozen", r"in layers\.1 \(Linear\).*rank {me} has 'weight' \[8, 8\] float32; "
+                   r"'bias' \[8\] float32{f_mine}; rank {other} has 'weight' \[8, 8\] "
+                   r"float32; 'bias' \[8\] float32{f_theirs}\."),
+        ("hsdp_replicas", r"in layers\.1 \(Linear\).*rank {me} has 'weight' \[{mine}, 8\].*"
+                          r"rank {other} has 'weight' \[{theirs}, 8\]"),
+    ],
+)  # fmt: skip
+def test_ranks_that_built_different_models_all_raise(case: str, pattern: str) -> None:
+    """A rank whose model differs (sizes, a layer more, a parameter frozen on one rank) made
+    gloo abort the process from its own thread (NCCL: a hang); every rank now raises at the
+    first forward, naming the group, both ranks and what each holds."""
+    hsdp = case == "hsdp_replicas"
+    messages = run_ranks(ranks_build_different_models, 4 if hsdp else 2, case)
+    for rank, message in enumerate(messages):
+        odd = rank >= 2 if hsdp else rank == 1
+        other = (rank + 2) % 4 if hsdp else 1 - rank
+        values = {
+            "me": rank, "other": other, "mine": 9 if odd else 8, "theirs": 8 if odd else 9,
+            "n_mine": 5 if odd else 4, "n_theirs": 4 if odd else 5,
+            "f_mine": ", frozen" if odd else "", "f_theirs": "" if odd else ", frozen",
+        }  # fmt: skip
+        assert message.startswith("fully_shard: the ranks of one process group shard"), message
+        assert re.search(pattern.format(**values), message), message
+        assert "Every rank of a mesh must build the same model" in message
