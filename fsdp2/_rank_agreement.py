@@ -37,13 +37,14 @@ if TYPE_CHECKING:
 _DIGEST_BITS = 62
 
 
-def check_ranks_agree(groups: Sequence[ParamGroup], paths: Sequence[str]) -> None:
+def check_ranks_agree(groups_and_paths: Sequence[tuple[ParamGroup, str]]) -> None:
     """Raise a ``RuntimeError`` on every rank if the ranks of any process group used by
-    ``groups`` hold different parameter layouts there (see
-    [Note: ranks that built different models]). ``paths``: each group's module path
+    the groups hold different parameter layouts there (see
+    [Note: ranks that built different models]). Each group comes with its module path
     under the root, for the message."""
+    groups = [group for group, _ in groups_and_paths]
     where = {id(group): f"{path} ({group.label})" if path else f"the root ({group.label})"
-             for group, path in zip(groups, paths, strict=True)}  # fmt: skip
+             for group, path in groups_and_paths}  # fmt: skip
     by_process_group: dict[int, tuple[Any, list[ParamGroup]]] = {}
     for group in groups:
         for pg, size in ((group.process_group, group.world_size),

@@ -272,8 +272,7 @@ class FSDPState:
                     group.comm = tree.comm  # initialized under a submodule's unshard() already
                 else:
                     group.lazy_init(tree.comm)
-        pairs = [(group, state.fqn) for state in states for group in state.groups]
-        check_ranks_agree([group for group, _ in pairs], [path for _, path in pairs])
+        check_ranks_agree([(group, state.fqn) for state in states for group in state.groups])
         return tree
 
     @property
