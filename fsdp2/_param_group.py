@@ -400,8 +400,16 @@ class ParamGroup(GradientReduction):
                 p.adopt_assigned()
             self._tied = [p for p in self.params if p.tied_to is not None]
         relaid = self._find_extensions()
+        # A parameter kept apart has no slot in the flat buffer, but lives on its device:
+        # a group made only of such parameters moves with them (``to_empty()`` after a
+        # meta-device init, ``module.to()``).
         bound = (
-            p.local_tensor().dtype == p.dtype if p.apart else p.points_into(self.flat_shard)
+            (
+                p.local_tensor().dtype == p.dtype
+                and p.local_tensor().device == self.flat_shard.device
+            )
+            if p.apart
+            else p.points_into(self.flat_shard)
             for p in self.params
         )
         if all(bound):

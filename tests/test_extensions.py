@@ -297,6 +297,31 @@ def rank_patched_local_tensors(impl: str, mesh_shape: tuple[int, ...], bf16: boo
     return _report(model, losses, reference, ref_losses, calls=seen["calls"], mesh=seen["mesh"])
 
 
+def rank_subclass_weights_built_on_meta(impl: str, version: int, reshard: bool) -> dict:
+    """Every parameter a ``TwoTensor`` (no biases, so no group has a plain parameter),
+    sharded on the meta device, then ``to_empty`` and the reference's rows copied in."""
+    torch.set_num_threads(1)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    with _two_tensor_hooks(version):
+        with torch.device("meta"):
+            model = _stack(2, 8, 16, bias=False)
+            _wrap_weights(model, lambda w: TwoTensor(w, w.clone()))
+        _shard(model, impl, reshard_after_forward=reshard)
+        model.to_empty(device="cpu")
+        ref = _stack(2, 8, 16, bias=False)
+        _wrap_weights(ref, lambda w: TwoTensor(w, w.clone()))
+        full = ref.state_dict()
+        with torch.no_grad():  # each rank's rows of both inner tensors (dim-0 shards)
+            for name, param in model.named_parameters():
+                local = param.to_local()
+                local.a.copy_(full[name].a.chunk(ws)[rank])
+                local.b.copy_(full[name].b.chunk(ws)[rank])
+        ref_losses = _train(ref, 3, 8, reference=True)
+        losses = _train(model, 3, 8, reference=False)
+        devices = sorted({str(p.to_local().a.device) for p in model.parameters()})
+        return _report(model, losses, ref, ref_losses, devices=devices)
+
+
 def rank_extension_memory_and_errors() -> dict:
     """fsdp2 only: extension outputs are freed on reshard; bad hooks give clear errors."""
     torch.set_num_threads(1)
@@ -467,6 +492,23 @@ def test_hooks_patched_onto_local_shards(
         assert rep["calls"] > 0
         assert rep["mesh"] == (1, mesh_shape[-1])
         _assert_matches_reference(rep)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_subclass_only_groups_built_on_the_meta_device(reshard: bool) -> None:
+    """A group whose parameters are all extension subclasses has an empty flat buffer;
+    after a meta-device init and ``to_empty`` it must follow its parameters to the CPU
+    (it stayed on the meta device, and the first forward raised "still on the meta
+    device"; torch's end-to-end extension test). Trains like the reference and torch."""
+    require_impl("torch")
+    ours = run_ranks(rank_subclass_weights_built_on_meta, 2, "fsdp2", 2, reshard)
+    theirs = run_ranks(rank_subclass_weights_built_on_meta, 2, "torch", 2, reshard)
+    for mine, torchs in zip(ours, theirs):
+        assert mine["devices"] == ["cpu"]
+        _assert_matches_reference(mine)
+        assert mine["losses"] == torchs["losses"]
+        for name, value in mine["params"].items():
+            assert torch.equal(value, torchs["params"][name]), name
 
 
 def test_extension_buffers_are_freed_and_bad_hooks_rejected() -> None:
