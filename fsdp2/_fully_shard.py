@@ -471,15 +471,20 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Accepted for torch parity; fsdp2 always includes parameters without a local
+        """``True``: every trainable parameter of a group that reduces gets a gradient,
+        zeros where no rank used it (as torch). ``False`` (the default): a parameter no
+        rank used keeps ``grad is None``. fsdp2 always includes parameters without a local
         gradient (as zeros) in their group's reduce-scatter, because which parameters a
-        rank used can differ between ranks and a rank-dependent collective size would hang.
-        Both values therefore give the same, always-safe behaviour."""
+        rank used can differ between ranks and a rank-dependent collective size would
+        hang; this switch only decides whether the unused ones store the result."""
         if not isinstance(reduce_scatter_unused_params, bool):
             raise ValueError(
                 f"set_reduce_scatter_unused_params expects a bool, got "
                 f"{reduce_scatter_unused_params!r}."
             )
+        for state in self._states(recurse):
+            for group in state.groups:
+                group.reduce_scatter_unused = reduce_scatter_unused_params
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """Issue this module's all-gathers with ``comm``, torch's ``AllGather``:

@@ -19,7 +19,9 @@ with one flag per parameter (1 if this rank had its gradient). After the sum, a 
 a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
 non-sharded training. Only a rank that lacked some gradient itself reads them (a host sync
 on accelerators). A group with no gradient on any rank still reduces (zeros): the schedule
-of collectives must not depend on data.
+of collectives must not depend on data. ``set_reduce_scatter_unused_params(True)`` makes
+every trainable parameter of a reducing group store its shard, zeros where no rank used
+it (torch's meaning of that switch: its unused parameters then join the reduce-scatter).
 The flags region of a chunk is padded with zeros to a multiple of
 ``REDUCE_FLAG_ALIGN_BYTES`` (64); see [Note: padded gradient flags]. The flags cost that
 region per rank in each reduce-scatter input and once in the reduced gradients; nothing
@@ -112,6 +114,7 @@ class GradientReduction:
     grads_unsynced: bool
     gradient_divide_factor: float | None
     force_sum_reduction: bool
+    reduce_scatter_unused: bool
     requires_all_reduce: bool
     all_reduce_hook: Callable[[torch.Tensor], None] | None
     all_reduce_hook_stream: Stream
@@ -297,7 +300,13 @@ class GradientReduction:
         # accelerators, so not on the common path).
         has_grad = in_flight.has_grad
         local_proof = len(has_grad) == count and all(has_grad)
-        got_grad = has_grad if local_proof else (flags != 0).tolist()
+        if self.reduce_scatter_unused:
+            # set_reduce_scatter_unused_params(True): as torch, every trainable parameter
+            # of a group that reduced gets its reduced gradient, zeros where no rank used
+            # it (no flags read).
+            got_grad = [p.sharded_param.requires_grad for p in self.params[:count]]
+        else:
+            got_grad = has_grad if local_proof else (flags != 0).tolist()
         factor = self.divide_factor() / predivide
         # The all-reduce hook sees what torch's hook sees: the average when the division
         # counts as part of the collective (AVG for fp32/bf16), the undivided sum when

@@ -231,6 +231,7 @@ class ParamGroup(GradientReduction):
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction = False
+        self.reduce_scatter_unused = False  # set_reduce_scatter_unused_params
         self.requires_all_reduce = True  # HSDP only; a 1-D mesh has no all-reduce
         # A backward without gradient sync left gradients here that no reduce-scatter has
         # taken yet: the next reduction (or ``FSDPState.reduce_unsynced_grads``) owes them.

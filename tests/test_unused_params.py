@@ -86,3 +86,46 @@ def test_all_ranks_same_routing(impl: str) -> None:
     require_impl(impl)
     diffs = run_ranks(train_routed, 1, impl, 3, timeout=60)
     assert max(diffs) <= 1e-5, diffs
+
+
+def train_reducing_unused(impl: str, reduce_unused: bool) -> dict:
+    """Rank function: rank-dependent routing with ``set_reduce_scatter_unused_params``;
+    which gradients exist after each backward, and the parameters after AdamW steps
+    (weight decay moves a parameter with a zero gradient, not one with ``None``)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Routed()
+    fully_shard = get_fully_shard(impl)
+    fully_shard(model.block)
+    fully_shard(model)
+    model.set_reduce_scatter_unused_params(reduce_unused)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    has_grad = []
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x, *routing(rank)).pow(2).mean().backward()
+        has_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"has_grad": has_grad, "params": params}
+
+
+def test_reduce_scatter_unused_params_gives_zero_gradients() -> None:
+    """With ``set_reduce_scatter_unused_params(True)`` torch gives a parameter that no rank
+    used a zero gradient (its group reduced it); fsdp2 left it ``None`` whatever the
+    setting (torch's test of an unused expert DTensor parameter). Each rank routes through
+    its own expert (torch needs the switch for that), the third expert is unused: the
+    gradients present and the parameters after AdamW match torch's bitwise."""
+    require_impl("torch")
+    ours = run_ranks(train_reducing_unused, 2, "fsdp2", True, timeout=60)
+    theirs = run_ranks(train_reducing_unused, 2, "torch", True, timeout=60)
+    every = sorted(n for n, _ in Routed().named_parameters())
+    for mine, torchs in zip(ours, theirs):
+        assert mine["has_grad"] == torchs["has_grad"] == [every, every]
+        for name, value in mine["params"].items():
+            assert torch.equal(value, torchs["params"][name]), name
+    # The default keeps ``None`` for the parameters no rank used.
+    (default, _) = run_ranks(train_reducing_unused, 2, "fsdp2", False, timeout=60)
+    assert "experts.2.weight" not in default["has_grad"][0]
+    assert "experts.0.weight" in default["has_grad"][0]
