@@ -141,7 +141,8 @@ class BackendAllocatedAllGather(_BackendAllocated):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> Any:
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        call = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return call(output, input, group=group, async_op=async_op)
 
 
 class BackendAllocatedReduceScatter(_BackendAllocated):
@@ -155,4 +156,5 @@ class BackendAllocatedReduceScatter(_BackendAllocated):
         op: Any,
         async_op: bool = False,
     ) -> Any:
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        call = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return call(output, input, op=op, group=group, async_op=async_op)

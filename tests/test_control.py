@@ -720,6 +720,18 @@ def process_group_allocated_buffers(impl: str, backend_can_allocate: bool) -> di
     rank, ws = dist.get_rank(), dist.get_world_size()
     allocations: list[tuple[int, ...]] = []
     saved = (api.backend_allocates, collectives.backend_tensor)
+    # Collectives seen through torch's current names (tests patch those; the old names
+    # warn FutureWarning and call the current ones inside torch, past any patch).
+    seen = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name, None) for name in seen}
+    for name, original in originals.items():
+        if original is not None:
+
+            def counted(*args: Any, _name: str = name, _orig: Any = original, **kw: Any) -> Any:
+                seen[_name] += 1
+                return _orig(*args, **kw)
+
+            setattr(dist, name, counted)
     if backend_can_allocate:
 
         def fake_tensor(group: Any, size: Any, dtype: Any, device: Any) -> torch.Tensor:
@@ -748,7 +760,11 @@ def process_group_allocated_buffers(impl: str, backend_can_allocate: bool) -> di
             reference_step(ref, ref_opt, batch)
     finally:
         api.backend_allocates, collectives.backend_tensor = saved
+        for name, original in originals.items():
+            if original is not None:
+                setattr(dist, name, original)
     return {
+        "seen": seen if all(originals.values()) else None,
         "diff": max_param_diff(ref, model)[1],
         "installed": installed,
         "during": len(allocations) if not backend_can_allocate else during,
@@ -774,6 +790,13 @@ def test_process_group_allocated_buffers(impl: str, backend_can_allocate: bool) 
             # Three steps: 9 all-gathers (4 blocks twice, the root once) and 5 groups
             # reduce-scattering (input and output) per step; none after switching off.
             assert report["during"] == 3 * (9 + 2 * 5) == report["after"], report
+            # Four steps of 9 all-gathers and 5 reduce-scatters, through the current names
+            # also while the backend allocates (those went through the deprecated names).
+            if report["seen"] is not None:
+                assert report["seen"] == {
+                    "all_gather_single": 4 * 9,
+                    "reduce_scatter_single": 4 * 5,
+                }, report
         else:
             assert report["during"] == report["after"] == 0
 
