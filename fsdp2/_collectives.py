@@ -90,9 +90,32 @@ def all_reduce_flat(
 
 def min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
     """The smallest and largest of every rank's ``value`` (blocking: one small all-reduce,
-    for checks that turn a mismatch, which would hang a collective, into an error)."""
+    for checks that turn a mismatch, which would hang a collective, into an error).
+
+    The all-reduce is a consistency check, not part of FSDP's communication, so it is
+    issued on the group's backend directly, as torch's own collective checks
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) are: it bypasses the dispatcher and
+    ``torch.distributed``'s functions, so ``CommDebugMode`` and patched collectives count
+    what torch's ``fully_shard`` issues. A group without such a backend (a threaded test
+    group) falls back to ``dist.all_reduce``."""
+    if torch._C._are_functorch_transforms_active():
+        # Lazy init inside ``torch.func.jvp``: the backend needs a plain tensor.
+        with torch._C._DisableFuncTorch():
+            return _min_and_max(value, group, device)
+    return _min_and_max(value, group, device)
+
+
+def _min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
     both = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    try:
+        backend: Any = group._get_backend(device)
+        options: Any = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        work = backend.allreduce([both], options)
+    except (RuntimeError, ValueError, AttributeError, TypeError, NotImplementedError):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    else:
+        work.wait()
     high, neg_low = both.tolist()
     return -neg_low, high
 

@@ -12,7 +12,10 @@ the end of a buffer. torch's ``fully_shard`` does not check.
 
 So at lazy init each rank reduces a fingerprint of the layouts of its groups, one small
 all-reduce per process group (the shard groups, and HSDP's replicate groups), and compares
-the smallest and largest values. Only when they differ does it gather every rank's
+the smallest and largest values. The all-reduce goes to the backend directly
+(``min_and_max``): torch issues none here, and tools that count FSDP's collectives
+(``CommDebugMode``, patched ``torch.distributed`` functions, torch's own tests of the
+first step) must see torch's counts. Only when they differ does it gather every rank's
 description (one ``all_gather_object``, on the error path only) and raise a
 ``RuntimeError`` naming the first group that differs, what this rank holds and what the
 other rank holds. Every rank sees the same minimum and maximum, so all raise together:
