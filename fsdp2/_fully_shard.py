@@ -167,6 +167,16 @@ def fully_shard(
     return fsdp_modules if isinstance(module, (list, tuple)) else fsdp_modules[0]
 
 
+def _composable_state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state the ``fully_shard`` call on ``module`` made
+    (one per call, shared by a list of modules), or None, as torch's composable-API
+    accessor returns. Its attributes are fsdp2's own, not torch's private ones."""
+    return fsdp_state_of(module)
+
+
+fully_shard.state = _composable_state  # type: ignore[attr-defined]
+
+
 def _build_groups(
     found: list[tuple[nn.Parameter, list[Any], str]],
     mesh: DeviceMesh,
@@ -267,7 +277,7 @@ def _fsdp_class(cls: type[nn.Module]) -> type:
             )
         return original_forward(self, *args, **kwargs)
 
-    namespace: dict[str, Any] = {"forward": forward}
+    namespace: dict[str, Any] = {"forward": forward, "_fsdp_original_cls": cls}
     for name, method in _public_methods(cls).items():
         namespace[name] = _explain_sharded_errors(method)
     metaclass: type[type] = type(cls)  # usually ``type``; a custom metaclass is kept
@@ -328,10 +338,27 @@ class UnshardHandle:
         self._groups = ()
 
 
+class DeepcopyUnsupportedError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module. A ``RuntimeError``, and an ``AssertionError``
+    as torch raises, so code that catches either keeps working after switching by import."""
+
+
 class FSDPModule:
     """Methods every sharded module gains. Instances are made only by ``fully_shard``."""
 
     _fsdp_state: FSDPState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing an ``FSDP<Name>`` class directly builds a plain ``<Name>``, as in
+        torch: ``nn.Sequential`` slicing (``model[:2]``) calls ``type(self)(...)``, and
+        the slice is a new module that ``fully_shard`` never saw (no state, no hooks)."""
+        original = cls.__dict__.get("_fsdp_original_cls")
+        if original is None:
+            return super().__new__(cls)
+        module = original.__new__(original, *args, **kwargs)
+        # Python runs __init__ only for instances of ``cls``: run the original's here.
+        module.__init__(*args, **kwargs)
+        return module
 
     # -- parameters ------------------------------------------------------------------------
     def reshard(self) -> None:
@@ -599,10 +626,10 @@ class FSDPModule:
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        raise RuntimeError(
-            f"copy.deepcopy of a sharded {type(self).__name__} is not supported: the copy would "
-            f"share process groups and hooks with the original. Deep-copy the module before "
-            f"fully_shard, then shard the copy."
+        raise DeepcopyUnsupportedError(
+            f"FSDP does not support deepcopy: copy.deepcopy of a sharded {type(self).__name__} "
+            f"would share process groups and hooks with the original. Deep-copy the module "
+            f"before fully_shard, then shard the copy (or use the state dict to serialize)."
         )
 
 

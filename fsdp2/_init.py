@@ -69,6 +69,12 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
+class AlreadyShardedError(ValueError, AssertionError):
+    """``fully_shard`` applied a second time to the same module. A ``ValueError``, and an
+    ``AssertionError`` as torch raises (from its composable-API registry), so code that
+    catches either keeps working after switching by import."""
+
+
 def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -79,15 +85,16 @@ def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ..
                 f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}."
             )
         if fsdp_state_of(m) is not None:
-            raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}. Apply it once "
-                f"per module: to each block, then to the root."
+            raise AlreadyShardedError(
+                f"Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard was already applied to this {type(m).__name__}. Apply it "
+                f"once per module: to each block, then to the root."
             )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             # Its forward never runs, so its hooks would never gather its parameters.
             raise ValueError(
-                f"fully_shard does not support a {type(m).__name__} (a container without "
-                f"forward: its hooks would never run). Shard each of its modules, e.g. "
+                f"fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__} (its hooks would never run). Shard each of its modules, e.g. "
                 f"`for block in model.layers: fully_shard(block)`, or pass them as one "
                 f"group: fully_shard(list(model.layers))."
             )

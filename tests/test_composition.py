@@ -18,6 +18,8 @@ parameters are still ``DTensor``s after ``replicate``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from _control_helpers import (
 from _helpers import (
     IMPLS,
     full,
+    get_fsdp_module_cls,
     get_fully_shard,
     is_dtensor,
     make_mesh,
@@ -43,6 +46,7 @@ from _helpers import (
     torch_fsdp_has,
 )
 from _launcher import run_ranks
+from torch import nn
 
 
 def _train_three_steps(model: torch.nn.Module, ref: torch.nn.Module) -> None:
@@ -187,3 +191,56 @@ def test_checkpoint_wrapped_blocks(order: str) -> None:
     if len(results) == 2:
         for ours, theirs in zip(results["fsdp2"][0]["params"], results["torch"][0]["params"]):
             assert torch.equal(ours, theirs)
+
+
+def _composable_api_surface(impl: str) -> dict:
+    """What torch's composable-API contract gives ``fully_shard``, observed without
+    reading any state attribute: the per-call state accessor, the errors for a second call
+    and for ``copy.deepcopy``, and what slicing a sharded ``nn.Sequential`` returns."""
+    fully_shard = get_fully_shard(impl)
+    fsdp_module_cls = get_fsdp_module_cls(impl)
+    mesh = make_mesh()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard([model[1], model[2]], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = fully_shard.state
+    facts: dict = {
+        "distinct_per_call": len({id(state(model)), id(state(model[0])), id(state(model[1]))}),
+        "shared_by_list": state(model[1]) is state(model[2]),
+        "unsharded_is_none": state(nn.Linear(2, 2)) is None,
+    }
+    sliced = model[:2]
+    facts["slice"] = (
+        type(sliced).__name__,
+        isinstance(sliced, fsdp_module_cls),
+        sliced[0] is model[0] and sliced[1] is model[1],
+    )
+    for name, action in (
+        ("again", lambda: fully_shard(model[0], mesh=mesh)),
+        ("deepcopy", lambda: copy.deepcopy(model)),
+    ):
+        try:
+            action()
+        except Exception as error:
+            facts[name] = (isinstance(error, AssertionError), str(error))
+        else:
+            facts[name] = (False, "no error")
+    return facts
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_composable_api_surface(impl: str) -> None:
+    """fsdp2 had no ``fully_shard.state``, kept ``FSDPSequential`` for a slice of a sharded
+    ``nn.Sequential`` (a new module with no state, treated as sharded), and raised
+    ValueError / RuntimeError where torch raises AssertionError (a second ``fully_shard``
+    on a module, ``copy.deepcopy``)."""
+    require_impl(impl)
+    facts = run_ranks(_composable_api_surface, 2, impl)[0]
+    assert facts["distinct_per_call"] == 3
+    assert facts["shared_by_list"] and facts["unsharded_is_none"]
+    assert facts["slice"] == ("Sequential", False, True)
+    assert facts["again"][0], facts["again"]
+    assert "can only be applied to a module once" in facts["again"][1]
+    assert facts["deepcopy"][0], facts["deepcopy"]
+    assert "FSDP does not support deepcopy" in facts["deepcopy"][1]

@@ -302,9 +302,9 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "first_forward_not_through_root": ("RuntimeError", r"outermost sharded module"),
     "shared_param_across_groups": ("ValueError", r"parameter 'lin\.weight' is already managed"),
     "zero_dim_param": ("ValueError", r"0-dim parameter 'temperature'.*ignored_params"),
-    "applied_twice": ("ValueError", r"already applied to this FSDPBlock"),
+    "applied_twice": ("AlreadyShardedError", r"already applied to this FSDPBlock"),
     "deepcopy_sharded": (
-        "RuntimeError",
+        "DeepcopyUnsupportedError",
         r"copy\.deepcopy of a sharded FSDPRoot.*before fully_shard",
     ),
     "mesh_not_a_device_mesh": ("TypeError", r"expects a DeviceMesh, got str"),
