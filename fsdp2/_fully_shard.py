@@ -351,9 +351,11 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Constructing an ``FSDP<Name>`` class directly builds a plain ``<Name>``, as in
         torch: ``nn.Sequential`` slicing (``model[:2]``) calls ``type(self)(...)``, and
-        the slice is a new module that ``fully_shard`` never saw (no state, no hooks)."""
+        the slice is a new module that ``fully_shard`` never saw (no state, no hooks).
+        Without arguments (``copy.copy`` and unpickling create the object first, then
+        fill its ``__dict__``) the class is kept, so shallow copies stay sharded modules."""
         original = cls.__dict__.get("_fsdp_original_cls")
-        if original is None:
+        if original is None or not (args or kwargs):
             return super().__new__(cls)
         module = original.__new__(original, *args, **kwargs)
         # Python runs __init__ only for instances of ``cls``: run the original's here.
