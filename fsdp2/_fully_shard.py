@@ -343,6 +343,12 @@ class DeepcopyUnsupportedError(RuntimeError, AssertionError):
     as torch raises, so code that catches either keeps working after switching by import."""
 
 
+class CustomCommConflictError(RuntimeError, AssertionError):
+    """``set_allocate_memory_from_process_group_for_comm`` on a module with a custom
+    all-gather or reduce-scatter. A ``RuntimeError``, and an ``AssertionError`` as torch
+    raises, so code that catches either keeps working after switching by import."""
+
+
 class FSDPModule:
     """Methods every sharded module gains. Instances are made only by ``fully_shard``."""
 
@@ -551,7 +557,7 @@ class FSDPModule:
         for group in self._fsdp_state.groups:
             custom = [group.custom_all_gather, group.custom_reduce_scatter]
             if any(c is not None and not isinstance(c, ours) for c in custom):
-                raise RuntimeError(
+                raise CustomCommConflictError(
                     f"{type(self).__name__}.set_allocate_memory_from_process_group_for_comm: "
                     f"this module has a custom all-gather or reduce-scatter "
                     f"(set_custom_all_gather / set_custom_reduce_scatter), which allocates "

@@ -371,7 +371,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"FSDPBlock\.set_allocate_memory_from_process_group_for_comm expects a bool, got 1",
     ),
     "process_group_allocated_buffers_with_custom_comm": (
-        "RuntimeError",
+        "CustomCommConflictError",
         r"set_allocate_memory_from_process_group_for_comm: this module has a custom all-gather",
     ),
     "all_gather_extension": (
