@@ -29,7 +29,8 @@ class ReduceInFlight(NamedTuple):
     input: torch.Tensor | None
     output: torch.Tensor  # 1-D, the reduced flat gradient shard
     pending: PendingCollective
-    has_grad: list[bool]  # per parameter of the reduced prefix: got a local gradient
+    has_grad: list[bool]  # per reduced parameter: got a local gradient
+    positions: tuple[int, ...]  # where the reduced parameters sit in the group's params
 
 
 class CommContext:

@@ -12,9 +12,10 @@ Ranks may use different parameters of one group in a step (mixture-of-experts ro
 optional branches), so a rank can reach a group's reduce-scatter without some gradients.
 Two things must then not depend on local gradients: the collective's size (else ranks
 disagree and hang), and whether a rank stores its shard of the reduced gradient (else the
-update that other ranks' gradients make to this rank's rows is lost). So the reduced
-prefix is fixed by ``requires_grad`` (every parameter up to the last trainable one), a
-missing gradient contributes zeros, and each rank's chunk of the reduce-scatter input ends
+update that other ranks' gradients make to this rank's rows is lost). So which
+parameters are reduced is fixed by ``requires_grad`` (the trainable ones, packed in group
+order; see [Note: reducing only the trainable parameters]), a missing gradient
+contributes zeros, and each rank's chunk of the reduce-scatter input ends
 with one flag per parameter (1 if this rank had its gradient). After the sum, a rank stores
 a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
 non-sharded training. Only a rank that lacked some gradient itself reads them (a host sync
@@ -61,11 +62,25 @@ synchronous CPU path has one (upstream's memory test: 156.5 MB vs 128.2 MB backw
 The input is never reused while a reference from the work may exist: it is freed, not
 returned to the host buffer pool.
 
+[Note: reducing only the trainable parameters]
+A group's layout is planned at ``fully_shard`` with the frozen parameters at the end, but
+``requires_grad`` may change afterwards (fine-tuning that freezes the weights of an
+already sharded model and trains the biases). The reduce-scatter packs the parameters
+trainable at this step, each rank's chunk holding their padded shards back to back in
+group order, so its size follows what is trained, as torch's does: reducing every
+parameter up to the last trainable one instead sent 52 times the bytes when a model's
+weights were frozen after sharding (3 MLP blocks of dim 32, biases trained: 4192 elements
+per rank instead of 80). When the trainable parameters are the first ones of the group
+(the planned case), the packed layout is the group's reduce layout and each parameter's
+``offset`` applies unchanged. A frozen parameter is never reduced: a gradient it still
+holds (frozen between microbatches of an accumulation) is dropped, since whether a rank
+holds one cannot decide a collective's size.
+
 [Note: partial sums across changing layouts]
 HSDP with ``set_requires_all_reduce(False)`` keeps each microbatch's reduce-scattered
 output and adds the next one to it before the all-reduce. The output covers the group's
-parameters up to the last trainable one, then their flags, so freezing or unfreezing that
-parameter between microbatches changes where the flags sit. Adding two such outputs
+trainable parameters, then their flags, so freezing or unfreezing a parameter between
+microbatches changes where gradients and flags sit. Adding two such outputs
 element by element would add flags into gradients (or drop a gradient); both are first
 laid out for the whole group, zeros where a parameter had none, and the sum covers every
 parameter. torch's ``fully_shard`` raises a size mismatch in the same case.
@@ -109,7 +124,7 @@ class GradientReduction:
     replicate_size: int
     reduce_dtype: torch.dtype | None
     _reduce_sizes: list[int]
-    _partial_reduce: tuple[torch.Tensor, int] | None
+    _partial_reduce: tuple[torch.Tensor, tuple[int, ...]] | None
     comm: CommContext | None
     grads_unsynced: bool
     gradient_divide_factor: float | None
@@ -141,6 +156,19 @@ class GradientReduction:
         return -(-count // per_region) * per_region
 
     # -- gradients -------------------------------------------------------------------------
+    def reduced_positions(self) -> tuple[int, ...]:
+        """Where in ``params`` the parameters this step's reduce-scatter carries sit: the
+        trainable ones (see [Note: reducing only the trainable parameters])."""
+        return tuple(i for i, p in enumerate(self.params) if p.sharded_param.requires_grad)
+
+    def _packed_offsets(self, positions: tuple[int, ...]) -> list[int]:
+        """Each reduced parameter's start in the packed reduce layout of ``positions``,
+        and (last entry) the layout's length without the flags."""
+        offsets = [0]
+        for i in positions:
+            offsets.append(offsets[-1] + self._reduce_sizes[i])
+        return offsets
+
     def has_unsharded_grads(self) -> bool:
         return any(
             p.unsharded_param is not None and p.unsharded_param.grad is not None
@@ -152,22 +180,22 @@ class GradientReduction:
         drop them. The result is assigned to the sharded parameters by ``finish_reduce``,
         when the collective is waited on: later, so it overlaps the rest of backward."""
         # Which parameters a rank used can differ between ranks (data-dependent routing),
-        # so nothing here may depend on the local gradients: the reduced prefix is every
-        # parameter up to the last trainable one (frozen parameters sit at the end), and
-        # a parameter without a local gradient contributes zeros. See
+        # so nothing here may depend on the local gradients: the trainable parameters are
+        # reduced, and one without a local gradient contributes zeros. See
         # [Note: gradients some ranks lack].
         self.grads_unsynced = False
-        trainable = [p.sharded_param.requires_grad for p in self.params]
-        if not any(trainable):
+        positions = self.reduced_positions()
+        if not positions:
             return
-        count = len(trainable) - trainable[::-1].index(True)
-        grads = [self._take_unsharded_grad(p) for p in self.params[:count]]
+        reduced = [self.params[i] for i in positions]
+        count = len(reduced)
+        grads = [self._take_unsharded_grad(p) for p in reduced]
         ws = self.world_size
-        reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in self.params[:count])
+        reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in reduced)
         # ``rows``: each gradient with the sharded dim first (zeros where missing), cut
         # into ``ws`` chunks of its padded shard, one chunk per rank's input slice.
         rows: list[torch.Tensor] = []
-        for p, grad in zip(self.params[:count], grads):
+        for p, grad in zip(reduced, grads):
             unsharded = p.require_unsharded_param()
             unsharded.grad = None
             if grad is None:
@@ -191,7 +219,7 @@ class GradientReduction:
             padded = has_grad + [False] * (flag_numel - count)
             flags = torch.tensor(padded, dtype=reduce_dtype, device=self.device)
         rows.append(flags.expand(ws, -1))
-        numel = sum(self._reduce_sizes[:count]) + flag_numel
+        numel = self._packed_offsets(positions)[-1] + flag_numel
         comm = self._require_comm()
         compute = comm.streams.compute()
         # Bound memory before allocating: finish older reductions (freeing their inputs)
@@ -202,7 +230,7 @@ class GradientReduction:
             rs_input = custom.allocate((ws * numel,), dtype=reduce_dtype, device=self.device)
         else:
             rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
-        self._copy_in_grads(rows, rs_input.view(ws, numel))
+        self._copy_in_grads(reduced, rows, rs_input.view(ws, numel))
         del rows, grads  # the unsharded gradients die here, not when this returns
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
@@ -211,7 +239,8 @@ class GradientReduction:
         wait_stream(stream, compute)  # the gradients were produced on the compute stream
         if ws == 1:  # one rank: the input is the reduced shard (torch issues no collective)
             done = PendingCollective(None, record_event(stream))
-            comm.reduces.append(ReduceInFlight(self, rs_input, rs_input, done, has_grad))
+            in_flight = ReduceInFlight(self, rs_input, rs_input, done, has_grad, positions)
+            comm.reduces.append(in_flight)
             return
         with use_stream(stream):
             if custom is not None:
@@ -224,7 +253,8 @@ class GradientReduction:
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None
         del rs_input
-        comm.reduces.append(ReduceInFlight(self, kept_input, rs_output, pending, has_grad))
+        in_flight = ReduceInFlight(self, kept_input, rs_output, pending, has_grad, positions)
+        comm.reduces.append(in_flight)
 
     def accumulate_unsynced(self) -> None:
         """Backward without gradient sync: move low-precision unsharded gradients into
@@ -258,9 +288,11 @@ class GradientReduction:
             total.add_(grad)
         return total
 
-    def _copy_in_grads(self, rows: list[torch.Tensor], out: torch.Tensor) -> None:
+    def _copy_in_grads(
+        self, reduced: list[ShardedParam], rows: list[torch.Tensor], out: torch.Tensor
+    ) -> None:
         """Fill ``out`` (``ws`` rank rows of the reduce-scatter input) from ``rows`` (see
-        ``reduce_grads``) in one kernel: chunk, pad and copy every gradient at once. When
+        ``reduce_grads``; one per parameter of ``reduced``, then the flags) in one kernel: chunk, pad and copy every gradient at once. When
         every gradient is already in ``out``'s dtype that kernel is ``torch._chunk_cat``,
         which pads uneven chunks itself; otherwise one ``torch.cat`` also casts, after
         padding uneven gradients (one extra copy each) to whole chunks."""
@@ -269,7 +301,7 @@ class GradientReduction:
             _chunk_cat(rows, dim=0, num_chunks=ws, out=out)
             return
         chunks: list[torch.Tensor] = []
-        for p, t in zip(self.params, rows[:-1]):
+        for p, t in zip(reduced, rows[:-1], strict=True):
             if p.shard_dim or t.shape[0] == ws * p.rows_per_rank:
                 chunks.append(t.reshape(ws, -1))  # even: a view (Shard(d > 0): a copy)
             else:
@@ -285,15 +317,18 @@ class GradientReduction:
         wait(in_flight.pending, comm.streams.compute())
         output = in_flight.output
         predivide = self.predivide_factor(output.dtype)
-        count = len(in_flight.has_grad)
+        positions = in_flight.positions
         if self.replicate_group is not None:
-            reduced = self._all_reduce_replicas(output, count, self.replicate_group)
-            if reduced is None:
+            summed = self._all_reduce_replicas(output, positions, self.replicate_group)
+            if summed is None:
                 return  # accumulated locally until the next step that all-reduces
-            output, count = reduced
+            output, positions = summed
+        count = len(positions)
+        reduced = [self.params[i] for i in positions]
         # The flags: how many ranks (and replicas) had each gradient. Zero means no rank
         # used the parameter: its gradient stays None, as in non-sharded training.
-        grads_numel = sum(self._reduce_sizes[:count])
+        offsets = self._packed_offsets(positions)
+        grads_numel = offsets[-1]
         flags, output = output[grads_numel : grads_numel + count], output[:grads_numel]
         # A local gradient proves some rank had one; only a rank missing some gradient
         # (or holding sums of earlier microbatches) reads the flags (a host sync on
@@ -304,7 +339,7 @@ class GradientReduction:
             # set_reduce_scatter_unused_params(True): as torch, every trainable parameter
             # of a group that reduced gets its reduced gradient, zeros where no rank used
             # it (no flags read).
-            got_grad = [p.sharded_param.requires_grad for p in self.params[:count]]
+            got_grad = [p.sharded_param.requires_grad for p in reduced]
         else:
             got_grad = has_grad if local_proof else (flags != 0).tolist()
         factor = self.divide_factor() / predivide
@@ -322,8 +357,8 @@ class GradientReduction:
             wait_stream(comm.streams.compute(), hook_stream)
         if factor != 1.0 and not divide_first:
             output.div_(factor)
-        shards = self._gradient_shards(output, count)
-        for p, used, local in zip(self.params, got_grad, shards):
+        shards = self._gradient_shards(output, reduced, offsets)
+        for p, used, local in zip(reduced, got_grad, shards, strict=True):
             if not used:
                 continue
             param = p.sharded_param
@@ -345,71 +380,78 @@ class GradientReduction:
                 for hook in tuple(hooks.values()):
                     hook(param)
 
-    def _gradient_shards(self, output: torch.Tensor, count: int) -> list[torch.Tensor]:
-        """The first ``count`` parameters' local gradients from the reduced ``output``,
-        stored like the sharded parameters: their dtype, their device. One cast for a
-        one-dtype group; one per run of equal dtypes in a mixed one."""
-        params = self.params[:count]
+    def _gradient_shards(
+        self, output: torch.Tensor, reduced: list[ShardedParam], offsets: list[int]
+    ) -> list[torch.Tensor]:
+        """The ``reduced`` parameters' local gradients from the reduced ``output`` (packed:
+        parameter ``i`` starts at ``offsets[i]``), stored like the sharded parameters:
+        their dtype, their device. One cast for a one-dtype group; one per run of equal
+        dtypes in a mixed one."""
+        count = len(reduced)
         if not self.mixed:
             output = output.to(self.shard_device, self.shard_dtype)
-            return [p.reduced_view(output) for p in params]
+            return [p.reduced_view(output, p.offset - at) for p, at in zip(reduced, offsets)]
         shards: list[torch.Tensor] = []
         start = 0
         while start < count:
-            dtype = params[start].dtype
+            dtype = reduced[start].dtype
             stop = start + 1
-            while stop < count and params[stop].dtype == dtype:
+            while stop < count and reduced[stop].dtype == dtype:
                 stop += 1
-            first, last = params[start], params[stop - 1]
-            run = output[first.offset : last.offset + last.padded_numel]
-            run = run.to(self.shard_device, dtype)
-            shards += [p.reduced_view(run, first.offset) for p in params[start:stop]]
+            run = output[offsets[start] : offsets[stop]].to(self.shard_device, dtype)
+            shards += [
+                p.reduced_view(run, p.offset - (offsets[i] - offsets[start]))
+                for i, p in enumerate(reduced[start:stop], start)
+            ]
             start = stop
         return shards
 
     def _all_reduce_replicas(
-        self, output: torch.Tensor, count: int, replicate_group: ProcessGroup
-    ) -> tuple[torch.Tensor, int] | None:
-        """HSDP: sum the reduce-scattered shard (``count`` parameters' gradients, then
-        their flags) over replicas, or keep it for later when ``requires_all_reduce`` is
-        off. Returns the summed output and how many parameters it covers; ``None`` means
-        nothing to assign yet."""
+        self, output: torch.Tensor, positions: tuple[int, ...], replicate_group: ProcessGroup
+    ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """HSDP: sum the reduce-scattered shard (the gradients of the parameters at
+        ``positions``, then their flags) over replicas, or keep it for later when
+        ``requires_all_reduce`` is off. Returns the summed output and the positions it
+        covers; ``None`` means nothing to assign yet."""
         kept = self._partial_reduce
         self._partial_reduce = None
         if kept is not None:
-            partial, partial_count = kept
-            if partial_count != count or partial.dtype != output.dtype:
+            partial, partial_positions = kept
+            if partial_positions != positions or partial.dtype != output.dtype:
                 # See [Note: partial sums across changing layouts].
                 dtype = torch.promote_types(partial.dtype, output.dtype)
-                partial = self._whole_group_layout(partial, partial_count, dtype)
-                output = self._whole_group_layout(output, count, dtype)
-                count = len(self.params)
+                partial = self._whole_group_layout(partial, partial_positions, dtype)
+                output = self._whole_group_layout(output, positions, dtype)
+                positions = tuple(range(len(self.params)))
             output.add_(partial)
         if not self.requires_all_reduce:
-            self._partial_reduce = (output, count)
+            self._partial_reduce = (output, positions)
             return None
         comm = self._require_comm()
         stream = comm.streams.all_reduce
         wait_stream(stream, comm.streams.compute())
         pending = all_reduce_flat(output, replicate_group, stream)
         wait(pending, comm.streams.compute())
-        return output, count
+        return output, positions
 
     def _whole_group_layout(
-        self, output: torch.Tensor, count: int, dtype: torch.dtype
+        self, output: torch.Tensor, positions: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
-        """``output`` (the first ``count`` parameters' gradient shards, then their flags)
-        laid out for every parameter of the group, zeros where it had none, in ``dtype``."""
+        """``output`` (the gradient shards of the parameters at ``positions``, then their
+        flags) laid out for every parameter of the group, zeros where it had none, in
+        ``dtype``."""
         n = len(self.params)
-        if count == n and output.dtype == dtype:
+        if positions == tuple(range(n)) and output.dtype == dtype:
             return output
-        grads_numel = sum(self._reduce_sizes[:count])
+        offsets = self._packed_offsets(positions)
         whole_numel = sum(self._reduce_sizes)
         whole = torch.zeros(
             whole_numel + self.flag_numel(n, dtype), dtype=dtype, device=output.device
         )
-        whole[:grads_numel].copy_(output[:grads_numel])
-        whole[whole_numel : whole_numel + count].copy_(output[grads_numel : grads_numel + count])
+        for j, i in enumerate(positions):
+            at, size = self.params[i].offset, self._reduce_sizes[i]
+            whole[at : at + size].copy_(output[offsets[j] : offsets[j + 1]])
+            whole[whole_numel + i] = output[offsets[-1] + j]
         return whole
 
     def predivide_factor(self, reduce_dtype: torch.dtype | None = None) -> float:

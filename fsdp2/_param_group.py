@@ -188,7 +188,7 @@ class ParamGroup(GradientReduction):
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
-        self._partial_reduce: tuple[torch.Tensor, int] | None = None
+        self._partial_reduce: tuple[torch.Tensor, tuple[int, ...]] | None = None
         self.mp_policy = mp_policy
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])
@@ -250,7 +250,7 @@ class ParamGroup(GradientReduction):
         for p, dtype in zip(self.params, dtypes):
             p.dtype = dtype
         if self.mixed:
-            # Reduce layout: trainable first (the reduced prefix), equal dtypes adjacent.
+            # Reduce layout: trainable first (packed as planned), equal dtypes adjacent.
             rank = {
                 id(p): (not t, -d.itemsize, str(d))
                 for p, d, t in zip(self.params, dtypes, trainable)

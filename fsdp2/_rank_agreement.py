@@ -3,7 +3,7 @@
 [Note: ranks that built different models]
 Every collective of a parameter group assumes that each rank of its process group holds
 the same parameters in the same groups: the same global shapes, dtypes, shard dims and
-trainable set (the reduce-scatter covers the parameters up to the last trainable one).
+trainable set (the reduce-scatter packs the trainable parameters).
 A rank that built its model from other values (a vocabulary size read per rank, a layer
 count from a per-node setting, a freeze applied on rank 0 only) sends collectives of
 another size. gloo then aborts the whole process from one of its threads ("Received data

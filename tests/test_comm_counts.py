@@ -260,3 +260,80 @@ def test_all_gather_input_is_flat_shard_view() -> None:
                 f"input of any all-gather in the step (inputs: "
                 f"{[hex(s[0]) for s in ag_spans]}): the all-gather copies in"
             )
+
+
+def train_with_frozen_weights(impl: str, freeze_after_shard: bool, steps: int = 3) -> dict:
+    """Rank function: three blocks of two ``Linear(32, 32)``, only the biases trained
+    (frozen before or after ``fully_shard``), AdamW against a non-sharded copy on the same
+    global batch. Returns the reduce-scatter output sizes per call and the largest
+    parameter difference from the reference."""
+    import torch
+    from torch import nn
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)) for _ in range(3)]
+    )
+
+    def freeze(m: nn.Module) -> None:
+        for name, p in m.named_parameters():
+            if not name.endswith("bias"):
+                p.requires_grad_(False)
+
+    ref = copy.deepcopy(model)
+    freeze(ref)
+    if not freeze_after_shard:
+        freeze(model)
+    fully_shard = get_fully_shard(impl)
+    for block in model:
+        fully_shard(block, mesh=make_mesh())
+    fully_shard(model, mesh=make_mesh())
+    if freeze_after_shard:
+        freeze(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    sizes: list[int] = []
+    originals = {}
+    for name in REDUCE_SCATTERS:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        originals[name] = fn
+
+        def counted(output, *args, _fn=fn, **kwargs):
+            sizes.append(output.numel())
+            return _fn(output, *args, **kwargs)
+
+        setattr(dist, name, counted)
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 + step)
+            batch = torch.randn(ws * 4, 32, generator=g)
+            model(batch[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+            ref(batch).square().mean().backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+    finally:
+        _restore(originals)
+    diff = max(
+        (p.full_tensor() - r).abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    return {"sizes": sizes, "diff": diff}
+
+
+@pytest.mark.parametrize("freeze_after_shard", [False, True], ids=["frozen_first", "frozen_later"])
+def test_reduce_scatter_carries_only_the_trainable_parameters(freeze_after_shard: bool) -> None:
+    """Weights frozen (before or after ``fully_shard``), biases trained: each
+    reduce-scatter carries the biases only, as torch's does, plus fsdp2's padded
+    has-gradient flags (16 fp32 elements per rank, [Note: gradients some ranks lack]).
+    Reducing every parameter up to the last trainable one sent the frozen weights too
+    when they were frozen after sharding: 1056 gradient elements per rank instead of 32."""
+    ours = run_ranks(train_with_frozen_weights, 2, "fsdp2", freeze_after_shard, timeout=60)
+    theirs = run_ranks(train_with_frozen_weights, 2, "torch", freeze_after_shard, timeout=60)
+    for report in ours + theirs:
+        assert report["diff"] <= 1e-5, report
+    flags = 16  # one fp32 flag per reduced parameter, padded to 64 bytes
+    assert [s - flags for s in ours[0]["sizes"]] == theirs[0]["sizes"], (ours[0], theirs[0])
