@@ -332,15 +332,15 @@ class FSDPState:
         return self._end_forward(output)
 
     def _end_forward(self, output: Any) -> Any:
-        """Reshard if configured (always without grad: no backward will need the
-        parameters), record the forward order and arm the pre-backward trigger on
-        ``output``."""
+        """Reshard if configured (with or without grad, as torch: a no-grad loop with
+        ``reshard_after_forward=False`` gathers once), record the forward order and arm the
+        pre-backward trigger on ``output``."""
         grad_enabled = torch.is_grad_enabled()
         if self.groups:
             logger.debug("FSDP::post_forward (%s)", self.fqn)
-            if self.reshard_after_forward or not grad_enabled:
+            if self.reshard_after_forward:
                 for group in self.groups:
-                    group.reshard(post_forward=grad_enabled)
+                    group.reshard(post_forward=True)
         self.training_state = TrainingState.IDLE
         if not grad_enabled:
             return output

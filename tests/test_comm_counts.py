@@ -198,6 +198,71 @@ def test_first_step_comm_debug_mode_counts(impl: str) -> None:
         assert counts["backward"] == {"_allgather_base_": L, "_reduce_scatter_base_": L + 1}, counts
 
 
+def count_no_grad_forwards(impl: str, n_layers: int, block_raf, root_raf, calls: int = 3):
+    """Rank function: all-gathers issued by each of ``calls`` forwards under
+    ``torch.no_grad()`` in a row (an evaluation or generation loop), whether their outputs
+    agree, and the same for a forward after a training step."""
+    import torch
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    case = ParityCase(impl=impl, n_layers=n_layers)
+    model = _wrap_llama(build_model(case), impl, make_mesh(), block_raf, root_raf)
+    opt = make_optimizer(model, case.lr)
+    batch = local_slice(make_global_batch(case, 0, ws), rank, case.local_batch)
+    rec = _Recorder()
+    originals = _patch(rec)
+    outputs = []
+    try:
+        for call in range(calls):
+            rec.phase = f"eval{call}"
+            with torch.no_grad():
+                outputs.append(model(*batch))
+        rec.phase = "train"
+        loss_of(model, case, batch, 0).backward()
+        opt.step()
+        opt.zero_grad()
+        rec.phase = "eval_after_step"
+        with torch.no_grad():
+            after = model(*batch)
+    finally:
+        _restore(originals)
+    return {
+        "all_gathers": [rec.counts[f"eval{c}"].get("all_gather", 0) for c in range(calls)],
+        "after_step": rec.counts["eval_after_step"].get("all_gather", 0),
+        "same_outputs": all(torch.equal(o, outputs[0]) for o in outputs),
+        "changed_after_step": not torch.equal(after, outputs[0]),
+        "raw": {k: dict(v) for k, v in rec.raw.items()},
+    }
+
+
+NO_GRAD_CASES = {
+    # name: (block reshard_after_forward, root reshard_after_forward, all-gathers of a
+    # repeated no_grad forward: the groups that reshard after forward gather again)
+    "default_none": (None, None, L),
+    "all_true": (True, True, L + 1),
+    "all_false": (False, False, 0),
+    "blocks_false_root_true": (False, True, 1),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("variant", list(NO_GRAD_CASES))
+def test_no_grad_forwards_keep_what_reshard_after_forward_keeps(impl: str, variant: str) -> None:
+    """Under ``torch.no_grad()`` each group reshards after forward exactly when its
+    ``reshard_after_forward`` says so, as in training: a loop of no-grad forwards with
+    ``reshard_after_forward=False`` gathers once (fsdp2 used to reshard every group after
+    a no-grad forward, re-gathering every parameter at every call). A forward after an
+    optimizer step still gathers the updated shards."""
+    require_impl(impl)
+    block_raf, root_raf, repeat = NO_GRAD_CASES[variant]
+    for rank, res in enumerate(run_ranks(count_no_grad_forwards, 2, impl, L, block_raf, root_raf)):
+        where = f"[{impl}, {variant}, rank {rank}] per-phase calls:\n{_table(res)}\n"
+        assert res["all_gathers"] == [L + 1, repeat, repeat], where
+        assert res["same_outputs"], f"{where}repeated no_grad forwards differ"
+        assert res["changed_after_step"], f"{where}the forward after the step used old weights"
+        assert res["after_step"] == L + 1, f"{where}forward after the optimizer step"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_one_rank_issues_no_collectives(impl: str) -> None:
     """A shard group of one rank holds whole parameters: no all-gather, no reduce-scatter
