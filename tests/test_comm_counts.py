@@ -402,3 +402,64 @@ def test_reduce_scatter_carries_only_the_trainable_parameters(freeze_after_shard
         assert report["diff"] <= 1e-5, report
     flags = 16  # one fp32 flag per reduced parameter, padded to 64 bytes
     assert [s - flags for s in ours[0]["sizes"]] == theirs[0]["sizes"], (ours[0], theirs[0])
+
+
+def train_mixed_dtype_groups_frozen_in_between(hsdp: bool) -> float:
+    """Rank function: blocks of fp32, fp64 and fp32 ``Linear`` layers (one mixed-dtype
+    group each) with the fp64 weight and the first bias frozen after sharding, so the
+    reduced parameters are not the first ones of the group; the bias is trained again
+    from the third step. Returns the largest difference from a non-sharded copy."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    class Block(nn.Sequential):
+        def forward(self, x):
+            return self[2](self[1](self[0](x).double()).float())
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    blocks = [Block(nn.Linear(8, 12), nn.Linear(12, 8), nn.Linear(8, 8)) for _ in range(2)]
+    for block in blocks:
+        block[1].double()
+    model = nn.Sequential(*blocks)
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, ws // 2)) if hsdp else make_mesh()
+    fsdp2_fully_shard = get_fully_shard("fsdp2")  # torch's groups take one dtype only
+    for block in model:
+        fsdp2_fully_shard(block, mesh=mesh)
+    fsdp2_fully_shard(model, mesh=mesh)
+
+    def set_trainable(m: nn.Module, bias: bool) -> None:
+        for block in m:
+            block[1].weight.requires_grad_(False)
+            block[0].bias.requires_grad_(bias)
+
+    opts = []
+    for m in (model, ref):
+        set_trainable(m, bias=False)
+        opts.append(torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2))
+    for step in range(3):
+        if step == 2:
+            for m, opt in zip((model, ref), opts):
+                set_trainable(m, bias=True)
+                opt.add_param_group({"params": [block[0].bias for block in m]})
+        batch = torch.randn(ws * 4, 8, generator=torch.Generator().manual_seed(step))
+        model(batch[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+        ref(batch).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return max(
+        (p.full_tensor() - r).abs().max().item()
+        for p, r in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_mixed_dtype_groups_with_frozen_parameters_in_between(hsdp: bool) -> None:
+    """The packed reduce layout of [Note: reducing only the trainable parameters] where
+    frozen parameters sit between trained ones of a mixed-dtype group (fp32 and fp64, so
+    exact): every gradient lands on its own parameter, on 2 ranks and on 2 x 2 (HSDP)."""
+    for diff in run_ranks(train_mixed_dtype_groups_frozen_in_between, 4 if hsdp else 2, hsdp):
+        assert diff <= 1e-6, diff
