@@ -142,7 +142,7 @@ def fully_shard(
     reshard_after_forward = validate_reshard_after_forward(reshard_after_forward, mesh)
     device = mesh_device(mesh)
     label = ", ".join(type(m).__name__ for m in modules)
-    found = collect_params(modules, ignored_params)
+    found, shared_with_other_call = collect_params(modules, ignored_params)
     groups = _build_groups(
         found,
         mesh,
@@ -158,6 +158,7 @@ def fully_shard(
     state = FSDPState(
         modules, groups, mesh, device, reshard_after_forward, mp_policy, offload_policy
     )
+    state.shared_with_other_call = shared_with_other_call
     for m in modules:
         m._fsdp_state = state  # type: ignore[assignment]
         m.__class__ = _fsdp_class(type(m))
@@ -661,9 +662,9 @@ def _state_of(module: object, api: str) -> FSDPState:
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Let several separately-rooted sharded modules (e.g. a model and its EMA copy, or
     pipeline stages in one process) share communication streams and buffers. Call before
-    their first forward."""
+    their first forward. An empty list does nothing, as in torch."""
     if not modules:
-        raise ValueError("share_comm_ctx expects a non-empty list of sharded modules.")
+        return
     states = [_state_of(m, "share_comm_ctx") for m in modules]
     for state in states:
         if state.tree is not None:

@@ -252,9 +252,16 @@ def _sharded_subtree_roots(modules: tuple[nn.Module, ...]) -> set[int]:
 
 def collect_params(
     modules: tuple[nn.Module, ...], ignored_params: Iterable[nn.Parameter] | None
-) -> list[tuple[nn.Parameter, list[Use], str]]:
-    """The parameters one call manages, each with all its uses and a display name."""
+) -> tuple[list[tuple[nn.Parameter, list[Use], str]], list[tuple[str, str]]]:
+    """The parameters one call manages, each with all its uses and a display name, and
+    ``(name, label of the managing call)`` for each parameter left out because another
+    call already manages it.
+
+    A parameter shared with another group is an error, but torch reports it at the first
+    forward (lazy init), not here: the caller records the descriptions on the new state
+    and ``FSDPState.lazy_init`` raises. The parameter is not sharded a second time."""
     ignored = _validate_ignored(modules, ignored_params)
+    shared: list[tuple[str, str]] = []
     tops = _sharded_subtree_roots(modules)
     found: dict[int, tuple[nn.Parameter, list[Use], str]] = {}
     for top, top_label in zip(modules, _display_prefixes(modules)):
@@ -265,17 +272,13 @@ def collect_params(
                 fqn = f"{top_label}{prefix}{name}"
                 owner = getattr(param, _OWNER_ATTR, None)
                 if owner is not None:
-                    raise ValueError(
-                        f"fully_shard on {_label(modules)}: parameter '{fqn}' is already managed "
-                        f"by the fully_shard call on {owner}. A parameter shared between modules "
-                        f"must belong to one group: apply fully_shard to their common ancestor "
-                        f"only (e.g. keep tied embedding and output weights in the root group)."
-                    )
+                    shared.append((fqn, owner))
+                    continue
                 if id(param) in found:
                     found[id(param)][1].append((module, name))
                 else:
                     found[id(param)] = (param, [(module, name)], fqn)
-    return list(found.values())
+    return list(found.values()), shared
 
 
 def _display_prefixes(modules: tuple[nn.Module, ...]) -> list[str]:

@@ -170,6 +170,9 @@ class FSDPState:
         self._modules_to_run: set[int] = set()  # for a list of modules: who has not run
         self._hook_handles: list[Any] = []
         self.shared_comm: CommContext | None = None  # set by share_comm_ctx
+        # Parameters this call found already managed by another call (see
+        # ``collect_params``): lazy init raises, as torch does at the first forward.
+        self.shared_with_other_call: list[tuple[str, str]] = []  # (name, managing call)
         # Root-level settings (read from the root's state; set before or after lazy init):
         # set_is_last_backward(False) leaves reductions in flight at the end of backward;
         # set_post_optim_event makes the next forward's all-gathers wait for that event.
@@ -245,6 +248,16 @@ class FSDPState:
                 if state is not None and id(state) not in seen:
                     seen.add(id(state))
                     states.append(state)
+        for state in states:
+            if state.shared_with_other_call:
+                fqn, owner = state.shared_with_other_call[0]
+                raise ValueError(
+                    f"fully_shard on {state.label}: parameter '{fqn}' is already managed by "
+                    f"another fully_shard group (the call on {owner}). A parameter shared "
+                    f"between modules must belong to one group: shard the modules that share "
+                    f"it together, fully_shard([module_a, module_b]), or their common ancestor "
+                    f"only (e.g. keep tied embedding and output weights in the root group)."
+                )
         for state in states:
             if state.tree is not None and not state.tree.started:
                 state.tree = None  # created by a submodule's unshard(): this root takes over

@@ -493,6 +493,7 @@ def two_roots(impl: str, style: str) -> dict:
     model1 = shard_net(clone_model(ref1), impl)
     model2 = shard_net(clone_model(ref2), impl)
     api(impl, "share_comm_ctx")([model1, model2])
+    api(impl, "share_comm_ctx")([])  # nothing to share: a no-op in torch, not an error
     ref_opts = [adamw(ref1), adamw(ref2)]
     opts = [adamw(model1), adamw(model2)]
     diffs = []
