@@ -627,9 +627,16 @@ class FSDPModule:
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         """``module.to()``, ``to_empty()``, ``half()``... replace the local tensors; point
-        the shards back into (new) flat buffers so the all-gather input stays one buffer."""
+        the shards back into (new) flat buffers so the all-gather input stays one buffer.
+        Reshards first, as torch does: the conversion applies to the sharded parameters (an
+        unsharded parameter left registered by ``reshard_after_forward=False`` would be
+        converted instead, and the change lost at the next reshard)."""
+        states = self._states(recurse)
+        for state in states:
+            for group in state.groups:
+                group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
-        for state in self._states(recurse):
+        for state in states:
             for group in state.groups:
                 group.ensure_shards_bound()
         return result

@@ -802,6 +802,50 @@ def test_mixed_dtype_group_state_dict_and_moves(other: str) -> None:
         assert r["f64_storages"] == {"root": 1, "block": 1}, (where, r["f64_storages"])
 
 
+def rank_convert_while_gathered(impl: str) -> dict:
+    """A ``reshard_after_forward=False`` module still holds its gathered parameters after an
+    eval forward; ``module.to(bfloat16)`` then has to convert the sharded parameters (torch
+    reshards before converting), so the dtype change survives and the next step uses it."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
+    model = copy.deepcopy(reference)
+    fully_shard = get_fully_shard(impl)
+    fully_shard(model[0], reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    batch = torch.randn(4, 6)
+    with torch.no_grad():
+        model(batch)
+    model.to(BF16)
+    reference.to(BF16)
+    report: dict = {
+        "sharded": all(is_dtensor(p) for p in model.parameters()),
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "values": all(
+            torch.equal(full(p.detach()), r.detach())
+            for p, r in zip(model.parameters(), reference.parameters())
+        ),
+    }
+    if impl == "fsdp2":  # torch 2.13 keeps its fp32 unsharded parameters for this forward
+        out = model(batch.to(BF16))
+        report["forward"] = torch.equal(out, reference(batch.to(BF16)))
+        out.float().sum().backward()
+        report["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
+    return report
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_to_dtype_while_parameters_gathered(impl: str) -> None:
+    require_impl(impl)
+    for rank, r in enumerate(run_ranks(rank_convert_while_gathered, 2, impl)):
+        where = f"[{impl}, rank {rank}]"
+        assert r["sharded"], f"{where} parameters left unsharded by to(): {r}"
+        assert r["dtypes"] == [str(BF16)], (where, r)
+        assert r["values"], where
+        if impl == "fsdp2":
+            assert r["forward"], where
+            assert r["grad_dtypes"] == [str(BF16)], (where, r)
+
+
 def test_docs_example() -> None:
     """The first ```python block of docs/mixed_precision.md runs on 2 ranks."""
     require_impl("fsdp2")
