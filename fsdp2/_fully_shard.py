@@ -632,6 +632,7 @@ class FSDPModule:
         unsharded parameter left registered by ``reshard_after_forward=False`` would be
         converted instead, and the change lost at the next reshard)."""
         states = self._states(recurse)
+        _check_no_pending_grads_converted(states, fn)
         for state in states:
             for group in state.groups:
                 group.reshard()
@@ -647,6 +648,38 @@ class FSDPModule:
             f"would share process groups and hooks with the original. Deep-copy the module "
             f"before fully_shard, then shard the copy (or use the state dict to serialize)."
         )
+
+
+def _check_no_pending_grads_converted(
+    states: Iterable[FSDPState], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Refuse a ``module.to()`` / ``half()`` that would change the dtype or device of a
+    parameter holding gradients summed by backwards without gradient sync and not reduced
+    yet: they live outside the registered parameters, so the conversion cannot carry them
+    and they would be dropped (torch raises here too). Checked before anything changes;
+    a conversion that leaves every such parameter as it is (``float()`` on fp32) passes."""
+    for state in states:
+        for group in state.groups:
+            if not group.grads_unsynced:
+                continue
+            for p in group.params:
+                unsharded = p.unsharded_param
+                has_pending = p.accumulated_grad is not None or (
+                    unsharded is not None and unsharded.grad is not None
+                )
+                if not has_pending:
+                    continue
+                local = p.local_tensor()
+                probe = fn(torch.empty(0, dtype=local.dtype, device=local.device))
+                if probe.dtype == local.dtype and probe.device == local.device:
+                    continue
+                raise RuntimeError(
+                    f"fully_shard: cannot convert parameter '{p.fqn}' from {local.dtype} on "
+                    f"{local.device} to {probe.dtype} on {probe.device}: it holds gradients "
+                    f"accumulated without gradient sync that are not reduced yet. Finish the "
+                    f"step (a backward with gradient sync, then zero_grad(set_to_none=True)) "
+                    f"or drop them with reset_iter_state() before converting the module."
+                )
 
 
 def _check_comm(comm: Any, api: str, module: object) -> None:

@@ -846,6 +846,56 @@ def test_to_dtype_while_parameters_gathered(impl: str) -> None:
             assert r["grad_dtypes"] == [str(BF16)], (where, r)
 
 
+def rank_convert_with_unsynced_grads(reduce_dtype: str | None) -> dict:
+    """Microbatches accumulated without gradient sync, then ``module.to()``: a dtype change
+    is refused before anything changes (the unreduced sums cannot follow the conversion);
+    a conversion that changes nothing keeps them; ``reset_iter_state()`` drops them."""
+    import fsdp2
+
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 3, bias=False)
+    model = copy.deepcopy(reference)
+    policy = fsdp2.MixedPrecisionPolicy(
+        param_dtype=BF16 if reduce_dtype else None,
+        reduce_dtype=FP32 if reduce_dtype else None,
+    )
+    fsdp2.fully_shard(model, mp_policy=policy)
+    batch = torch.ones(2, 4)
+    model.set_requires_gradient_sync(False)
+    model(batch).sum().backward()
+    weight = model.weight
+    report: dict = {}
+    try:
+        model.to(torch.float64)
+        report["refused"] = None
+    except RuntimeError as err:
+        report["refused"] = str(err)
+    report["untouched"] = model.weight is weight and weight.dtype == FP32
+    model.float()  # nothing to convert: allowed, sums kept
+    model.set_requires_gradient_sync(True)
+    model(batch).sum().backward()
+    # Both microbatches, averaged over 2 ranks that saw the same batch.
+    reference(batch).sum().mul(2).backward()
+    report["grad_kept"] = torch.allclose(full(model.weight.grad), reference.weight.grad)
+    model.zero_grad(set_to_none=True)
+    model.set_requires_gradient_sync(False)
+    model(batch).sum().backward()
+    model.reset_iter_state()
+    model.to(torch.float64)
+    report["after_reset"] = str(model.weight.dtype)
+    return report
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "fp32"])
+def test_to_dtype_with_unsynced_gradients(reduce_dtype: str | None) -> None:
+    require_impl("fsdp2")
+    for rank, r in enumerate(run_ranks(rank_convert_with_unsynced_grads, 2, reduce_dtype)):
+        where = f"[{reduce_dtype}, rank {rank}]"
+        assert r["refused"] and "without gradient sync" in r["refused"], (where, r)
+        assert r["untouched"] and r["grad_kept"], (where, r)
+        assert r["after_reset"] == str(torch.float64), (where, r)
+
+
 def test_docs_example() -> None:
     """The first ```python block of docs/mixed_precision.md runs on 2 ranks."""
     require_impl("fsdp2")
