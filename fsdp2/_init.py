@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fsdp2._param import Use
+from fsdp2._param import UnevenShardError, Use
 from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
 from fsdp2._state import fsdp_state_of
 
@@ -55,8 +55,9 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard expects a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), "
-            f"got a {mesh.ndim}-D mesh. Slice the data-parallel dims, e.g. world_mesh['dp']."
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r}: a 1-D mesh (FSDP) "
+            f"or a 2-D (replicate, shard) mesh (HSDP), not {mesh.ndim}-D. Slice the "
+            f"data-parallel dims, e.g. world_mesh['dp']."
         )
     return mesh
 
@@ -73,6 +74,11 @@ class AlreadyShardedError(ValueError, AssertionError):
     """``fully_shard`` applied a second time to the same module. A ``ValueError``, and an
     ``AssertionError`` as torch raises (from its composable-API registry), so code that
     catches either keeps working after switching by import."""
+
+
+class InvalidShardDimError(ValueError, AssertionError):
+    """``shard_placement_fn`` returned a dim the parameter does not have. A ``ValueError``,
+    and an ``AssertionError`` as torch raises, so code that catches either keeps working."""
 
 
 def validate_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
@@ -197,15 +203,17 @@ def placement_of(
     shard_size = mesh.size(mesh.ndim - 1)
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(
-            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
-            f"shape {tuple(param.shape)}; the dim must be in [-{param.dim()}, {param.dim()})."
+        raise InvalidShardDimError(
+            f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: {param.shape}. "
+            f"fully_shard: shard_placement_fn returned Shard({placement.dim}) for '{fqn}'; "
+            f"the dim must be in [-{param.dim()}, {param.dim()})."
         )
     if dim != 0 and param.shape[dim] % shard_size != 0:
-        raise ValueError(
-            f"fully_shard: Shard({dim}) for '{fqn}' of shape {tuple(param.shape)} needs size "
-            f"{param.shape[dim]} of dim {dim} to be divisible by the shard group size "
-            f"{shard_size}; shard another dim or return None for Shard(0) (which pads)."
+        raise UnevenShardError(
+            f"FSDP does not support uneven sharding on dim {dim}: fully_shard: Shard({dim}) "
+            f"for '{fqn}' of shape {tuple(param.shape)} needs size {param.shape[dim]} of dim "
+            f"{dim} to be divisible by the shard group size {shard_size}; shard another dim "
+            f"or return None for Shard(0) (which pads)."
         )
     return dim, mesh, spmd
 

@@ -95,6 +95,12 @@ from fsdp2._spmd import SpmdMesh, local_gradient_placements, sharded_layout
 # (module, attribute name): one place a parameter is registered. Tied weights have several.
 Use = tuple[nn.Module, str]
 
+
+class UnevenShardError(ValueError, NotImplementedError):
+    """``Shard(dim)`` with ``dim != 0`` whose size the shard group does not divide. A
+    ``ValueError``, and a ``NotImplementedError`` as torch raises."""
+
+
 # id of each live sharded parameter -> the ShardedParam whose slot its local tensor aliases;
 # read when a module attribute is set to another parameter's DTensor (see
 # [Note: weights tied after sharding]). Keyed by id, not weakly by tensor: weak references
@@ -226,8 +232,9 @@ class ShardedParam:
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
-                f"fully_shard cannot shard the 0-dim parameter '{fqn}': sharding splits dim 0. "
-                f"Store it with shape (1,) or pass it in ignored_params to keep it replicated."
+                f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor "
+                f"with numel equal to 1 (sharding splits dim 0), or pass it in ignored_params "
+                f"to keep it replicated."
             )
         self.fqn = fqn
         self.uses = uses
@@ -255,7 +262,8 @@ class ShardedParam:
             self.shape = param.to_local().shape  # all layout below is TP-local
             dp_size = mesh.size(mesh.ndim - 1)
             if shard_dim and self.shape[shard_dim] % dp_size:
-                raise ValueError(
+                raise UnevenShardError(
+                    f"FSDP does not support uneven sharding on dim {shard_dim}: "
                     f"fully_shard: Shard({shard_dim}) for '{fqn}' needs size "
                     f"{self.shape[shard_dim]} of dim {shard_dim} of its tensor-parallel "
                     f"local shard (global shape {tuple(param.shape)}) to be divisible by "

@@ -94,7 +94,7 @@ graph would see its in-place updated parameters.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum, auto
 from typing import Any, NamedTuple
 
@@ -171,6 +171,7 @@ class ParamGroup(GradientReduction):
         offload_policy: OffloadPolicy,
     ) -> None:
         self.params = params
+        self._module_names: Mapping[int, str] = {}  # module id -> name under the root
         self.mesh = mesh
         self.label = label  # e.g. "layers.0 (TransformerBlock)", for messages
         # HSDP (2-D mesh): shard over the last dim, replicate over the first.
@@ -334,9 +335,11 @@ class ParamGroup(GradientReduction):
         return flat
 
     @_outside_functorch
-    def lazy_init(self, comm: CommContext) -> None:
-        """Bind to the tree's communication context and build the unsharded buffer."""
+    def lazy_init(self, comm: CommContext, module_names: Mapping[int, str] | None = None) -> None:
+        """Bind to the tree's communication context and build the unsharded buffer.
+        ``module_names``: module id -> name under the root, for error messages."""
         self.comm = comm
+        self._module_names = module_names or {}
         self.ensure_shards_bound(complete=True)
         # The unsharded buffer is its all-gather output plus the alignment gaps, and the
         # reduce-scatter input that plus the flags: one pooled buffer serves all three.
@@ -345,12 +348,28 @@ class ParamGroup(GradientReduction):
         )
         comm.host_buffers.allow_slack(self.reduce_flag_bytes + gap_bytes)
         if self.flat_shard.device.type == "meta":
-            raise RuntimeError(
-                f"fully_shard: the parameters of {self.label} are still on the meta device at "
-                f"the first forward. Materialize them first, e.g. "
-                f"module.to_empty(device=...) then module.reset_parameters()."
-            )
+            raise self._meta_error([self._root_fqn(p) for p in self.params], [])
         self._init_unsharded()
+
+    def _root_fqn(self, param: Any) -> str:
+        """``param``'s name under the root module (its own name when the root is unknown)."""
+        module, attr = param.uses[0]
+        prefix = self._module_names.get(id(module))
+        if prefix is None:
+            return str(param.fqn)
+        return f"{prefix}.{attr}" if prefix else attr
+
+    def _meta_error(self, on_meta: list[str], loaded: list[str]) -> RuntimeError:
+        """Parameters still on the meta device at the first forward: torch's wording first
+        (its list of names under the root), then what to do."""
+        beside = f" (next to materialized ones: {', '.join(loaded)})" if loaded else ""
+        return RuntimeError(
+            f"FSDP parameters should be materialized from meta device before training, but "
+            f"the following were still on meta device: {on_meta}\n"
+            f"fully_shard: {self.label} has them on the meta device at the first forward"
+            f"{beside}. Materialize or load all of them first, e.g. module.to_empty(device) "
+            f"then module.reset_parameters() on each module, or a state dict with every key."
+        )
 
     def set_post_forward_group(self, group: Any, size: int, index: int) -> None:
         """``reshard_after_forward=size``: after forward keep 1/size of each parameter,
@@ -433,13 +452,10 @@ class ParamGroup(GradientReduction):
             # would be dropped into it. The loaded parameters keep their own tensors until
             # the last module's hook sees every parameter materialized.
             if complete:
-                loaded = [p.fqn for p, t in zip(self.params, local) if t.device.type != "meta"]
-                raise RuntimeError(
-                    f"fully_shard: {self.label} has parameters on the meta device "
-                    f"({', '.join(on_meta)}) next to materialized ones ({', '.join(loaded)}) "
-                    f"at the first forward. Materialize or load all of them first (e.g. "
-                    f"module.to_empty(device=...) then reset_parameters(), or a state dict "
-                    f"with every key)."
+                meta = [t.device.type == "meta" for t in local]
+                raise self._meta_error(
+                    [self._root_fqn(p) for p, m in zip(self.params, meta) if m],
+                    [self._root_fqn(p) for p, m in zip(self.params, meta) if not m],
                 )
             return
         # ``module.to(dtype)`` may have changed dtypes (e.g. made a mixed group uniform).

@@ -258,11 +258,15 @@ class FSDPState:
                     f"it together, fully_shard([module_a, module_b]), or their common ancestor "
                     f"only (e.g. keep tied embedding and output weights in the root group)."
                 )
+        names = {id(m): name for top in self.modules for name, m in top.named_modules()}
         for state in states:
             if state.tree is not None and not state.tree.started:
                 state.tree = None  # created by a submodule's unshard(): this root takes over
             if state.tree is not None:
+                where = ", ".join(names.get(id(m), "") for m in state.modules)
                 raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {where}\n"
+                    f"FSDP requires running forward through the root module first. "
                     f"fully_shard: {state.label} was already initialized as part of the tree "
                     f"rooted at {state.tree.root.label}, but {self.label} is running its first "
                     f"forward now. Run the first forward (or unshard()) through the outermost "
@@ -272,7 +276,6 @@ class FSDPState:
         # One limit for the shared context: the largest any group asked for, as in torch.
         comm.max_reduces_in_flight = max(state.max_reduces_in_flight for state in states)
         tree = TreeContext(self, states, comm)
-        names = {id(m): name for top in self.modules for name, m in top.named_modules()}
         for state in states:
             state.tree = tree
             state.fqn = ", ".join(names.get(id(m), "") for m in state.modules)
@@ -284,7 +287,7 @@ class FSDPState:
                 if group.comm is not None:
                     group.comm = tree.comm  # initialized under a submodule's unshard() already
                 else:
-                    group.lazy_init(tree.comm)
+                    group.lazy_init(tree.comm, names)
         check_ranks_agree([(group, state.fqn) for state in states for group in state.groups])
         return tree
 

@@ -87,6 +87,13 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         model.a(x)  # makes `a` the root of its own tree
         model(x)
 
+    def meta_params_at_first_forward() -> None:
+        with torch.device("meta"):
+            model = Root()
+        for module in (model.a, model.b, model):
+            fsdp2.fully_shard(module, mesh=_mesh())
+        model(x)
+
     def shared_param_across_groups() -> None:
         mesh = _mesh()
         model = Root()
@@ -300,20 +307,36 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"FSDPBlock\.generate\(\) computed on sharded parameters.*register_fsdp_forward_method"
         r"\(module, 'generate'\).*unshard\(\)",
     ),
-    "first_forward_not_through_root": ("RuntimeError", r"outermost sharded module"),
+    # Where torch's FSDP raises the same error, its wording leads the message (torch's own
+    # tests match it), followed by fsdp2's explanation.
+    "first_forward_not_through_root": (
+        "RuntimeError",
+        r"^FSDP state has already been lazily initialized for a\nFSDP requires running "
+        r"forward through the root module first.*outermost sharded module",
+    ),
+    "meta_params_at_first_forward": (
+        "RuntimeError",
+        r"^FSDP parameters should be materialized from meta device before training, but the "
+        r"following were still on meta device: \['a\.lin\.weight', 'a\.lin\.bias'\]\n"
+        r".*to_empty",
+    ),
     "shared_param_across_groups": (
         "ValueError",
         r"on Block: parameter 'lin\.weight' is already managed by another fully_shard group "
         r"\(the call on Block\)",
     ),
-    "zero_dim_param": ("ValueError", r"0-dim parameter 'temperature'.*ignored_params"),
+    "zero_dim_param": (
+        "ValueError",
+        r"doesn't support scalar parameters\. Change temperature to a 1D tensor with numel "
+        r"equal to 1.*ignored_params",
+    ),
     "applied_twice": ("AlreadyShardedError", r"already applied to this FSDPBlock"),
     "deepcopy_sharded": (
         "DeepcopyUnsupportedError",
         r"copy\.deepcopy of a sharded FSDPRoot.*before fully_shard",
     ),
     "mesh_not_a_device_mesh": ("TypeError", r"expects a DeviceMesh, got str"),
-    "mesh_3d": ("ValueError", r"got a 3-D mesh"),
+    "mesh_3d": ("ValueError", r"^fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh"),
     "dp_mesh_dims": ("TypeError", r"dp_mesh_dims=.*expects a DataParallelMeshDims"),
     "dp_mesh_dims_plain_params": (
         "ValueError",
@@ -342,8 +365,16 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "TypeError",
         r"returned a mesh_info of type str for 'lin\.weight'.*FSDPMeshInfo",
     ),
-    "placement_dim_out_of_range": ("ValueError", r"Shard\(2\) for 'lin\.weight'.*must be in"),
-    "placement_uneven_dim": ("ValueError", r"Shard\(1\) for 'weight' of shape \(4, 3\).*divisible"),
+    "placement_dim_out_of_range": (
+        "InvalidShardDimError",  # a ValueError and, as torch raises, an AssertionError
+        r"^Shard dim 2 is invalid for 2D tensor: torch\.Size\(\[4, 4\]\)"
+        r".*Shard\(2\) for 'lin\.weight'.*must be in",
+    ),
+    "placement_uneven_dim": (
+        "UnevenShardError",  # a ValueError and, as torch raises, a NotImplementedError
+        r"^FSDP does not support uneven sharding on dim 1.*Shard\(1\) for 'weight' of shape "
+        r"\(4, 3\).*divisible",
+    ),
     "ignored_not_a_parameter": ("TypeError", r"ignored_params.*nn\.Parameter.*got Tensor"),
     "set_reshard_after_forward_not_bool": (
         "ValueError",
@@ -411,6 +442,14 @@ def test_error_message(provoked: dict[str, tuple[str, str]], case: str) -> None:
     got_kind, message = provoked[case]
     assert got_kind == kind, f"{case}: expected {kind}, got {got_kind}: {message}"
     assert re.search(pattern, message, flags=re.DOTALL), message
+
+
+def test_torch_exception_classes() -> None:
+    """Errors torch raises as AssertionError / NotImplementedError are caught as such."""
+    assert issubclass(fsdp2._init.InvalidShardDimError, (ValueError, AssertionError))
+    assert issubclass(fsdp2._init.InvalidShardDimError, AssertionError)
+    assert issubclass(fsdp2._param.UnevenShardError, ValueError)
+    assert issubclass(fsdp2._param.UnevenShardError, NotImplementedError)
 
 
 def accepts_torch_policies() -> list[str]:
