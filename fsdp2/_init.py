@@ -44,11 +44,21 @@ def default_device_type() -> str:
 
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
-        if not dist.is_available() or not dist.is_initialized():
+        if dist.is_available() and not dist.is_initialized():
+            # As torch: initialize the default process group from the environment
+            # (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: torchrun sets them).
+            try:
+                dist.init_process_group()
+            except (ValueError, RuntimeError) as error:
+                raise RuntimeError(
+                    f"fully_shard needs a process group to build its default mesh and could "
+                    f"not initialize one from the environment ({error}). Call "
+                    f"torch.distributed.init_process_group(...) first (torchrun sets the "
+                    f"environment), or pass mesh=init_device_mesh(device_type, (world_size,))."
+                ) from error
+        if not dist.is_available():
             raise RuntimeError(
-                "fully_shard needs an initialized process group to build its default mesh. "
-                "Call torch.distributed.init_process_group(...) first (torchrun sets the "
-                "environment), or pass mesh=init_device_mesh(device_type, (world_size,))."
+                "fully_shard needs torch.distributed, which this build of torch lacks."
             )
         return init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):

@@ -242,3 +242,53 @@ def test_integrations_snippet_points_torch_names_at_fsdp2() -> None:
         [sys.executable, "-c", match.group(1) + check], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+_DEFAULT_GROUP_SCRIPT = """
+import torch, torch.distributed as dist
+from torch import nn
+if "{impl}" == "fsdp2":
+    from fsdp2 import fully_shard
+else:
+    from torch.distributed.fsdp import fully_shard
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+model(torch.randn(2, 4)).sum().backward()
+print("initialized", dist.is_initialized(), dist.get_world_size())
+"""
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_fully_shard_without_mesh_initializes_the_default_group(impl: str) -> None:
+    """With no mesh and no process group yet, ``fully_shard`` initializes the default group
+    from the environment (what torchrun sets), as torch's does, and trains; without that
+    environment the error says what to do."""
+    import os
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = str(pathlib.Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
+    script = _DEFAULT_GROUP_SCRIPT.replace("{impl}", impl)
+    ranked = {**env, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    ranked["MASTER_PORT"] = str(port)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=ranked, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "initialized True 1" in result.stdout, result.stdout
+    if impl == "fsdp2":
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode != 0
+        assert "could not initialize one from the environment" in result.stderr, result.stderr
+        assert "init_process_group" in result.stderr, result.stderr
