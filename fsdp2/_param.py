@@ -157,6 +157,13 @@ def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh
     mesh built again in the same process (a new model, a test repeated with another
     shape) can hand back a TP mesh whose recorded parent is an earlier, equal-ranked
     mesh."""
+    if tp_mesh.device_type != dp_mesh.device_type:
+        raise ValueError(
+            f"Requires DTensor to have mesh of the same type as the FSDP mesh but got "
+            f"{tp_mesh.device_type} for DTensor and {dp_mesh.device_type} for FSDP: "
+            f"fully_shard: parameter '{fqn}' is a DTensor on {tp_mesh}. Build both meshes "
+            f"for one device type, sliced from one mesh (world['tp'], world['dp'])."
+        )
     how = (
         "Slice both from one mesh with named dims: world = init_device_mesh(type, (dp, tp), "
         "mesh_dim_names=('dp', 'tp')); parallelize_module(..., world['tp'], ...); "

@@ -444,6 +444,21 @@ def test_error_message(provoked: dict[str, tuple[str, str]], case: str) -> None:
     assert re.search(pattern, message, flags=re.DOTALL), message
 
 
+def test_tensor_parallel_mesh_of_another_device_type() -> None:
+    """A TP DTensor on a CPU mesh under a CUDA data-parallel mesh: torch's ValueError and
+    wording (checked on stand-in meshes: a CPU-only build cannot make a CUDA mesh)."""
+    from fsdp2._param import _spmd_mesh
+
+    dp_mesh = types.SimpleNamespace(device_type="cuda")
+    tp_mesh = types.SimpleNamespace(device_type="cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"^Requires DTensor to have mesh of the same type as "
+        r"the FSDP mesh but got cpu for DTensor and cuda for FSDP.*'lin\.weight'",
+    ):
+        _spmd_mesh(dp_mesh, tp_mesh, "lin.weight")  # type: ignore[arg-type]
+
+
 def test_torch_exception_classes() -> None:
     """Errors torch raises as AssertionError / NotImplementedError are caught as such."""
     assert issubclass(fsdp2._init.InvalidShardDimError, (ValueError, AssertionError))
