@@ -349,7 +349,30 @@ class ParamGroup(GradientReduction):
         comm.host_buffers.allow_slack(self.reduce_flag_bytes + gap_bytes)
         if self.flat_shard.device.type == "meta":
             raise self._meta_error([self._root_fqn(p) for p in self.params], [])
+        self._check_offloaded_shards_on_cpu()
         self._init_unsharded()
+
+    def _check_offloaded_shards_on_cpu(self) -> None:
+        """CPU offload keeps the shards in CPU memory; shards moved to an accelerator
+        (``module.to(device)``, a state dict of accelerator tensors loaded with
+        ``assign=True``) would silently stop offloading, so the first forward after such a
+        move raises, with torch's wording first."""
+        if not self.offload:
+            return
+        elsewhere = [
+            (self._root_fqn(p), p.local_tensor().device)
+            for p in self.params
+            if p.local_tensor().device.type not in ("cpu", "meta")
+        ]
+        if elsewhere:
+            raise RuntimeError(
+                f"FSDP parameters should be materialized on CPU when enabling CPU offloading. "
+                f'For example, load a CPU state dict or call module.to_empty(device="cpu"). '
+                f"Found following parameters on non-CPU device: {elsewhere}\n"
+                f"fully_shard: {self.label} was sharded with CPUOffloadPolicy, so its shards "
+                f"must stay in CPU memory (compute still runs on the mesh's device); do not "
+                f"move the sharded module to the accelerator."
+            )
 
     def _root_fqn(self, param: Any) -> str:
         """``param``'s name under the root module (its own name when the root is unknown)."""
@@ -458,6 +481,8 @@ class ParamGroup(GradientReduction):
                     [self._root_fqn(p) for p, m in zip(self.params, meta) if not m],
                 )
             return
+        if self.comm is not None:  # after lazy init; before it, lazy init checks
+            self._check_offloaded_shards_on_cpu()
         # ``module.to(dtype)`` may have changed dtypes (e.g. made a mixed group uniform).
         self._plan_layout([t.dtype for t in local], [p.requires_grad for p in self.params])
         first = local[0]

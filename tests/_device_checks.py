@@ -134,8 +134,27 @@ def one_rank(device: torch.device) -> dict[str, Any]:
                 report[f"{key}_allocated_per_step"] = {n: m for n, m in memory.items() if m}
                 report[f"{key}_step_peak_bytes"] = peaks
             del models, optims
+        report["offloaded_shards_moved_to_device"] = _offloaded_shards_moved(device, mesh)
         dist.destroy_process_group()
     return report
+
+
+def _offloaded_shards_moved(device: torch.device, mesh) -> str:
+    """A module sharded with CPU offload, then moved to the device: on an accelerator the
+    first forward must raise (torch's wording) instead of silently keeping the shards
+    there; on the CPU the move changes nothing and training runs."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for layer in model:
+        fsdp2.fully_shard(layer, mesh=mesh, offload_policy=fsdp2.CPUOffloadPolicy(False))
+    fsdp2.fully_shard(model, mesh=mesh, offload_policy=fsdp2.CPUOffloadPolicy(False))
+    model.to(device)
+    try:
+        model(torch.randn(2, 8, device=device)).sum().backward()
+    except RuntimeError as error:
+        return (
+            "raised" if "Found following parameters on non-CPU device" in str(error) else str(error)
+        )
+    return "ran"
 
 
 def fake_four(device: torch.device) -> dict[str, Any]:

@@ -168,3 +168,33 @@ def test_meta_init_then_cpu_shards(impl: str, how: str) -> None:
         # Hidden values 4 * 0.5 = 2, outputs 4 * 0.5 * 2 = 4, loss 2 x 4 outputs of 4;
         # each weight's gradient elements are 2 rows x 2 = 4, 16 of them.
         assert result == [32.0, 64.0, 64.0], result
+
+
+def offloaded_shard_reported_off_the_cpu() -> str:
+    """Rank function: a group sharded with CPU offload whose first shard claims to live
+    on an accelerator (a stand-in: a CPU-only build has no second device type; the real
+    move is checked on CUDA by ``tests/_device_checks.py``). Returns the error raised."""
+    import types
+
+    from torch import nn
+
+    import fsdp2
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fsdp2.fully_shard(model, offload_policy=fsdp2.CPUOffloadPolicy(pin_memory=False))
+    group = model._fsdp_state.groups[0]
+    param = group.params[0]
+    param.local_tensor = lambda: types.SimpleNamespace(device=torch.device("cuda", 0))
+    try:
+        group._check_offloaded_shards_on_cpu()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_offloaded_shards_moved_off_the_cpu_are_an_error() -> None:
+    """CPU offload with shards on an accelerator would silently stop offloading; torch
+    raises at lazy init with this wording, so does fsdp2 (also after a later move)."""
+    (message,) = run_ranks(offloaded_shard_reported_off_the_cpu, 1)
+    assert "Found following parameters on non-CPU device: [('0.weight'" in message, message
+    assert "CPUOffloadPolicy" in message, message
