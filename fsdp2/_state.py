@@ -717,15 +717,54 @@ class FSDPState:
         if tree is None:  # no forward yet: nothing to reduce
             return
         for state in tree.states:
-            if any(g.grads_unsynced and g.requires_gradient_sync for g in state.groups):
-                state._reduce_and_reshard()
-            else:
-                state._reshard_after_backward()
+            state._reduce_unsynced()
+        self._finish_unsynced_reduction()
+
+    def _reduce_unsynced(self) -> None:
+        """This state's part of ``reduce_unsynced_grads``: reduce-scatter what backwards
+        without gradient sync accumulated (if sync is on now) and reshard."""
+        if any(g.grads_unsynced and g.requires_gradient_sync for g in self.groups):
+            self._reduce_and_reshard()
+        else:
+            self._reshard_after_backward()
+
+    def _finish_unsynced_reduction(self) -> None:
+        """The root's part of ``reduce_unsynced_grads``, after every state's part: on the
+        last backward, wait for the reductions, as the final callback does."""
+        tree = self.tree
+        if tree is None:
+            return
         if self.is_last_backward:
             tree.comm.finish_reduces(keep=0)
             streams = tree.comm.streams
             wait_stream(streams.compute(), streams.reduce_scatter)
         tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
+
+    # [Note: torch's private pipelining protocol]
+    # torch.distributed.pipelining's stage (torch 2.13, ``perform_reduce_grad``) reduces
+    # the gradients of a stage module that ``isinstance(m, torch.distributed.fsdp
+    # .FSDPModule)`` by reaching into torch's FSDP state:
+    #     state = fully_shard.state(m)
+    #     for s in state._state_ctx.all_states:
+    #         for g in s._fsdp_param_groups: g.post_backward()
+    #     state._root_post_backward_final_callback()
+    # fsdp2's modules pass that check only where torch's names are pointed at fsdp2's
+    # (``torch.distributed.fsdp.FSDPModule = fsdp2.FSDPModule`` before the pipelining
+    # modules are imported), and then that code runs on fsdp2's state. These three names
+    # give it the meaning of ``reduce_unsynced_grads``: each state reduces (or reshards)
+    # once, the root then waits. (``fsdp2.pipelining.PipelineStage`` calls
+    # ``reduce_unsynced_grads`` directly.)
+
+    @property
+    def _state_ctx(self) -> _TorchStateContext:
+        return _TorchStateContext(self.tree.states if self.tree is not None else [])
+
+    @property
+    def _fsdp_param_groups(self) -> list[_TorchParamGroupView]:
+        return [_TorchParamGroupView(self)] if self.groups else []
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._finish_unsynced_reduction()
 
     def reset_iter_state(self) -> None:
         """Drop per-iteration state after an exception left a step half done."""
@@ -756,3 +795,21 @@ class FSDPState:
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
+
+
+class _TorchStateContext:
+    """``_state_ctx`` of [Note: torch's private pipelining protocol]."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.all_states = list(states)
+
+
+class _TorchParamGroupView:
+    """An entry of ``_fsdp_param_groups`` ([Note: torch's private pipelining protocol]):
+    one per state, whose groups are reduced together."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def post_backward(self) -> None:
+        self._state._reduce_unsynced()

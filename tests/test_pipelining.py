@@ -206,3 +206,59 @@ def test_pp2_dp1() -> None:
     reports = run_ranks(_compare, 2, "Schedule1F1B", 2, 1, ("fsdp2", "torch"), timeout=120)
     _check(reports, "torch", 0)
     _check(reports, "fsdp2", 0)
+
+
+def _reduce_through_torch_private_protocol(impl: str) -> dict:
+    """Two microbatch backwards with gradient sync and resharding off, then exactly the
+    calls torch's ``PipelineStage.perform_reduce_grad`` makes on a stage module it takes
+    for torch's ``FSDPModule`` (which fsdp2's modules are wherever torch's names are
+    pointed at fsdp2's): the setters back on, ``post_backward()`` on every entry of
+    ``_fsdp_param_groups`` of every state in ``_state_ctx.all_states``, then the root's
+    ``_root_post_backward_final_callback()``."""
+    from _helpers import get_fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    fully_shard = get_fully_shard(impl)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = nn.Sequential(*list(_model())[:3])
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_is_last_backward(False)
+    model.set_reshard_after_backward(False)
+    model.set_requires_gradient_sync(False)
+    gen = torch.Generator().manual_seed(7 + dist.get_rank())
+    for _ in range(2):
+        model(torch.randn(MB_ROWS, DIM, generator=gen)).pow(2).sum().backward()
+    model.set_is_last_backward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+    with CollectiveLog() as log:
+        state = fully_shard.state(model)
+        for s in state._state_ctx.all_states:
+            for group in s._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+    return {
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "resharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "reduce_scatters": sum(c.kind == "RS" for c in log.calls),
+    }
+
+
+def _private_protocol_both() -> dict:
+    return {impl: _reduce_through_torch_private_protocol(impl) for impl in ("fsdp2", "torch")}
+
+
+def test_torch_private_reduce_protocol_matches_torch() -> None:
+    """torch's stage reduces an FSDP stage through torch-private state attributes; on
+    fsdp2's state they reduce each group once and reshard, with torch's gradients."""
+    require_impl("torch")
+    for rank, report in enumerate(run_ranks(_private_protocol_both, 2, timeout=120)):
+        ours, theirs = report["fsdp2"], report["torch"]
+        assert ours["resharded"] and theirs["resharded"], rank
+        # One per block (the stage module itself owns no parameters), as torch.
+        assert ours["reduce_scatters"] == theirs["reduce_scatters"] == 3, (rank, ours, theirs)
+        for name, grad in theirs["grads"].items():
+            assert torch.equal(ours["grads"][name], grad), (rank, name)
