@@ -747,6 +747,7 @@ class FSDPState:
     #     state = fully_shard.state(m)
     #     for s in state._state_ctx.all_states:
     #         for g in s._fsdp_param_groups: g.post_backward()
+    #         # torch 2.11: ``if s._fsdp_param_group: s._fsdp_param_group.post_backward()``
     #     state._root_post_backward_final_callback()
     # fsdp2's modules pass that check only where torch's names are pointed at fsdp2's
     # (``torch.distributed.fsdp.FSDPModule = fsdp2.FSDPModule`` before the pipelining
@@ -762,6 +763,10 @@ class FSDPState:
     @property
     def _fsdp_param_groups(self) -> list[_TorchParamGroupView]:
         return [_TorchParamGroupView(self)] if self.groups else []
+
+    @property
+    def _fsdp_param_group(self) -> _TorchParamGroupView | None:
+        return _TorchParamGroupView(self) if self.groups else None
 
     def _root_post_backward_final_callback(self) -> None:
         self._finish_unsynced_reduction()

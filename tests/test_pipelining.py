@@ -213,7 +213,8 @@ def _reduce_through_torch_private_protocol(impl: str) -> dict:
     calls torch's ``PipelineStage.perform_reduce_grad`` makes on a stage module it takes
     for torch's ``FSDPModule`` (which fsdp2's modules are wherever torch's names are
     pointed at fsdp2's): the setters back on, ``post_backward()`` on every entry of
-    ``_fsdp_param_groups`` of every state in ``_state_ctx.all_states``, then the root's
+    ``_fsdp_param_groups`` (torch 2.11: ``_fsdp_param_group``) of every state in
+    ``_state_ctx.all_states``, then the root's
     ``_root_post_backward_final_callback()``."""
     from _helpers import get_fully_shard
     from torch.distributed.device_mesh import init_device_mesh
@@ -237,7 +238,11 @@ def _reduce_through_torch_private_protocol(impl: str) -> dict:
     with CollectiveLog() as log:
         state = fully_shard.state(model)
         for s in state._state_ctx.all_states:
-            for group in s._fsdp_param_groups:
+            if hasattr(s, "_fsdp_param_groups"):  # torch 2.13
+                groups = s._fsdp_param_groups
+            else:  # torch 2.11's stage reads one optional group per state
+                groups = [s._fsdp_param_group] if s._fsdp_param_group else []
+            for group in groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
     return {
