@@ -44,7 +44,11 @@ def default_device_type() -> str:
 
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
-        if dist.is_available() and not dist.is_initialized():
+        if not dist.is_available():
+            raise RuntimeError(
+                "fully_shard needs torch.distributed, which this build of torch lacks."
+            )
+        if not dist.is_initialized():
             # As torch: initialize the default process group from the environment
             # (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: torchrun sets them).
             try:
@@ -56,10 +60,6 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
                     f"torch.distributed.init_process_group(...) first (torchrun sets the "
                     f"environment), or pass mesh=init_device_mesh(device_type, (world_size,))."
                 ) from error
-        if not dist.is_available():
-            raise RuntimeError(
-                "fully_shard needs torch.distributed, which this build of torch lacks."
-            )
         return init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")

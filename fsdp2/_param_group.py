@@ -446,15 +446,15 @@ class ParamGroup(GradientReduction):
         # A parameter kept apart has no slot in the flat buffer, but lives on its device:
         # a group made only of such parameters moves with them (``to_empty()`` after a
         # meta-device init, ``module.to()``).
-        bound = (
-            (
-                p.local_tensor().dtype == p.dtype
-                and p.local_tensor().device == self.flat_shard.device
-            )
-            if p.apart
-            else p.points_into(self.flat_shard)
-            for p in self.params
-        )
+        current = self.flat_shard
+
+        def is_bound(p: ShardedParam) -> bool:
+            if not p.apart:
+                return p.points_into(current)
+            local = p.local_tensor()
+            return local.dtype == p.dtype and local.device == current.device
+
+        bound = (is_bound(p) for p in self.params)
         if all(bound):
             if relaid:  # same shard layout, new all-gather layout
                 self._plan_layout(

@@ -259,13 +259,14 @@ class FSDPState:
                     f"only (e.g. keep tied embedding and output weights in the root group)."
                 )
         names = {id(m): name for top in self.modules for name, m in top.named_modules()}
+        paths = {id(state): ", ".join(names.get(id(m), "") for m in state.modules)
+                 for state in states}  # fmt: skip
         for state in states:
             if state.tree is not None and not state.tree.started:
                 state.tree = None  # created by a submodule's unshard(): this root takes over
             if state.tree is not None:
-                where = ", ".join(names.get(id(m), "") for m in state.modules)
                 raise RuntimeError(
-                    f"FSDP state has already been lazily initialized for {where}\n"
+                    f"FSDP state has already been lazily initialized for {paths[id(state)]}\n"
                     f"FSDP requires running forward through the root module first. "
                     f"fully_shard: {state.label} was already initialized as part of the tree "
                     f"rooted at {state.tree.root.label}, but {self.label} is running its first "
@@ -278,7 +279,7 @@ class FSDPState:
         tree = TreeContext(self, states, comm)
         for state in states:
             state.tree = tree
-            state.fqn = ", ".join(names.get(id(m), "") for m in state.modules)
+            state.fqn = paths[id(state)]
             if state.reshard_after_forward_setting is None:
                 # The root's parameters are needed again at the very start of backward.
                 state.reshard_after_forward = state is not self
