@@ -14,6 +14,7 @@ runs it on its own threads while Python goes on, and the consumer waits on the `
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -118,6 +119,29 @@ def _min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> 
         work.wait()
     high, neg_low = both.tolist()
     return -neg_low, high
+
+
+def text_digest(text: str) -> int:
+    """A 62-bit digest of ``text``: fits an int64 with room for its negation, as
+    ``min_and_max`` needs."""
+    raw = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 2
+
+
+def descriptions_if_different(
+    description: str, group: dist.ProcessGroup, device: torch.device
+) -> list[str] | None:
+    """``None`` when every rank of ``group`` passed the same ``description``; otherwise
+    every rank's, in group rank order. Blocking: one ``min_and_max`` of a digest, and the
+    descriptions gathered only when the digests differ. Every rank gets the same answer,
+    so all can raise together and none is left waiting in a collective."""
+    digest = text_digest(description)
+    low, high = min_and_max(digest, group, device)
+    if low == high:
+        return None
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, description, group=group)
+    return everyone
 
 
 def backend_allocates(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -3,6 +3,26 @@
 One ``CommContext`` per root (built at its lazy init) lets groups see each other's
 reduce-scatters: a group's gradient copy-in first finishes the older reductions, which is
 what bounds the reduce-scatter input memory to ``max_reduces_in_flight`` buffers.
+
+[Note: ranks that run different paths]
+The collectives of a process group pair up by issue order: a rank's n-th collective
+meets the n-th of every other rank. A rank whose forward skips a sharded module (an
+expert that got no tokens, a layer dropped by a per-rank random draw), or whose loss
+leaves a module out of backward, issues a different sequence from there on. Each
+collective then meets another module's: messages of the same size silently mix two
+modules' parameters or gradients, others make gloo abort and NCCL hang, and at the end
+of the step one rank waits for a collective no other rank issues. torch's
+``fully_shard`` behaves the same.
+
+Under torch's debug switch ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read when the root
+initializes), every rank describes each all-gather, reduce-scatter and all-reduce just
+before issuing it ("all-gather of layers.2 (TransformerBlock), 4096 elements") and
+reduces a digest of the description (``descriptions_if_different``: one blocking
+all-reduce on the backend). The checks pair up with each other up to the first
+difference, which is where they catch it: every rank raises a ``RuntimeError`` that names
+what each rank was about to do, before the mismatched collective is issued. The check
+costs a blocking round trip per collective and ends the overlap of communication with
+compute, so it is off by default.
 """
 
 from __future__ import annotations
@@ -10,8 +30,9 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 
-from fsdp2._collectives import PendingCollective
+from fsdp2._collectives import PendingCollective, descriptions_if_different
 from fsdp2._host_buffers import HostBufferPool
 from fsdp2._stream_utils import CommStreams, Event, record_event
 
@@ -51,13 +72,61 @@ class CommContext:
         self.reduces: list[ReduceInFlight] = []
         self.max_reduces_in_flight = 1
         self.host_buffers = HostBufferPool(device)  # see [Note: host buffer pool]
+        # See [Note: ranks that run different paths].
+        self.check_collectives = collective_checks_requested()
 
     def release_all_gather_memory(self) -> None:
         """Called after the compute stream's last use of all-gather-stream memory."""
         self.all_gather_release = record_event(self.streams.compute())
+
+    def check_same_collective(self, what: str, numel: int, group: dist.ProcessGroup) -> None:
+        """With ``check_collectives``, raise a ``RuntimeError`` on every rank of ``group``
+        unless all of them are about to issue the same collective (``what``, of ``numel``
+        elements); see [Note: ranks that run different paths]."""
+        if not self.check_collectives:
+            return
+        separator = ", "
+        description = f"{what}{separator}{numel} elements"
+        everyone = descriptions_if_different(description, group, self.device)
+        if everyone is None:
+            return
+        by_description: dict[str, list[int]] = {}
+        for rank, theirs in enumerate(everyone):
+            by_description.setdefault(theirs, []).append(dist.get_global_rank(group, rank))
+        listed = "; ".join(
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {theirs}"
+            for theirs, ranks in by_description.items()
+        )
+        if len({theirs.rpartition(separator)[0] for theirs in everyone}) == 1:
+            cause = (
+                "The same group's message differs in size: its parameters' requires_grad "
+                "was changed on some ranks only (a reduce-scatter carries the trainable "
+                "parameters). Freeze and unfreeze on every rank."
+            )
+        else:
+            cause = (
+                "They ran different paths through the sharded modules (a module skipped, or "
+                "its output left out of the loss, on some ranks only). Run every sharded "
+                "module's forward and backward on every rank (e.g. an expert on an empty "
+                "batch, or with its output times zero added to the loss), or shard a module "
+                "that some ranks skip together with a parent that always runs."
+            )
+        raise RuntimeError(
+            f"fully_shard: the ranks of a process group are about to issue different "
+            f"collectives ({listed}). Without this check (TORCH_DISTRIBUTED_DEBUG=DETAIL) "
+            f"the collectives would pair up wrongly, mixing data or hanging. {cause}"
+        )
 
     def finish_reduces(self, keep: int = 0) -> None:
         """Finish reduce-scatters in issue order until at most ``keep`` remain in flight."""
         while len(self.reduces) > keep:
             in_flight = self.reduces.pop(0)
             in_flight.group.finish_reduce(in_flight)
+
+
+def collective_checks_requested() -> bool:
+    """Whether torch's distributed debug level is ``DETAIL``
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``dist.set_debug_level``)."""
+    if not dist.is_available():
+        return False
+    return dist.get_debug_level() == dist.DebugLevel.DETAIL

@@ -110,6 +110,7 @@ class GradientReduction:
 
     params: list[ShardedParam]
     label: str
+    path: str
     device: torch.device
     shard_device: torch.device
     shard_dtype: torch.dtype
@@ -133,6 +134,11 @@ class GradientReduction:
     requires_all_reduce: bool
     all_reduce_hook: Callable[[torch.Tensor], None] | None
     all_reduce_hook_stream: Stream
+
+    @property
+    def where(self) -> str:
+        """The group in messages: its modules' names under the root and their classes."""
+        return f"{self.path} ({self.label})" if self.path else f"the root ({self.label})"
 
     @property
     def reduce_flag_bytes(self) -> int:
@@ -248,6 +254,8 @@ class GradientReduction:
             else:
                 rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
             group = self.reduce_scatter_group or self.process_group
+            what = f"reduce-scatter of the gradients of {self.where}"
+            comm.check_same_collective(what, rs_input.numel(), group)
             pending = reduce_scatter_flat(rs_output, rs_input, group, stream, custom=custom)
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
@@ -430,6 +438,8 @@ class GradientReduction:
         comm = self._require_comm()
         stream = comm.streams.all_reduce
         wait_stream(stream, comm.streams.compute())
+        what = f"all-reduce of the gradients of {self.where}"
+        comm.check_same_collective(what, output.numel(), replicate_group)
         pending = all_reduce_flat(output, replicate_group, stream)
         wait(pending, comm.streams.compute())
         return output, positions

@@ -173,7 +173,8 @@ class ParamGroup(GradientReduction):
         self.params = params
         self._module_names: Mapping[int, str] = {}  # module id -> name under the root
         self.mesh = mesh
-        self.label = label  # e.g. "layers.0 (TransformerBlock)", for messages
+        self.label = label  # the sharded module classes, e.g. "TransformerBlock"
+        self.path = ""  # their names under the root, set at lazy init ("": the root)
         # HSDP (2-D mesh): shard over the last dim, replicate over the first.
         shard_dim = mesh.ndim - 1
         self.process_group = mesh.get_group(shard_dim)
@@ -574,6 +575,7 @@ class ParamGroup(GradientReduction):
                     output.copy_(ag_input, non_blocking=True)
                 pending = PendingCollective(None, record_event(stream))
             else:
+                comm.check_same_collective(f"all-gather of {self.where}", output.numel(), group)
                 pending = all_gather_flat(output, ag_input, group, stream, custom)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
 

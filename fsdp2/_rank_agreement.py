@@ -25,29 +25,21 @@ fingerprint (collectives do not depend on them); they appear in the message.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from fsdp2._collectives import min_and_max
+from fsdp2._collectives import min_and_max, text_digest
 
 if TYPE_CHECKING:
     from fsdp2._param_group import ParamGroup
 
-# A digest that fits an int64 with room for its negation (``min_and_max`` reduces both).
-_DIGEST_BITS = 62
 
-
-def check_ranks_agree(groups_and_paths: Sequence[tuple[ParamGroup, str]]) -> None:
+def check_ranks_agree(groups: Sequence[ParamGroup]) -> None:
     """Raise a ``RuntimeError`` on every rank if the ranks of any process group used by
     the groups hold different parameter layouts there (see
-    [Note: ranks that built different models]). Each group comes with its module path
-    under the root, for the message."""
-    groups = [group for group, _ in groups_and_paths]
-    where = {id(group): f"{path} ({group.label})" if path else f"the root ({group.label})"
-             for group, path in groups_and_paths}  # fmt: skip
+    [Note: ranks that built different models])."""
     by_process_group: dict[int, tuple[Any, list[ParamGroup]]] = {}
     for group in groups:
         for pg, size in ((group.process_group, group.world_size),
@@ -56,9 +48,9 @@ def check_ranks_agree(groups_and_paths: Sequence[tuple[ParamGroup, str]]) -> Non
                 by_process_group.setdefault(id(pg), (pg, []))[1].append(group)
     for pg, members in by_process_group.values():
         layouts = [_layout(group) for group in members]
-        low, high = min_and_max(_digest(layouts), pg, members[0].device)
+        low, high = min_and_max(text_digest(repr(layouts)), pg, members[0].device)
         if low != high:
-            labels = [where[id(group)] for group in members]
+            labels = [group.where for group in members]
             raise RuntimeError(_mismatch_message(pg, members, layouts, labels))
 
 
@@ -69,11 +61,6 @@ def _layout(group: ParamGroup) -> tuple[Any, ...]:
         for p in group.params
     )
     return (group.gather_numel, str(group.gather_dtype), params)
-
-
-def _digest(layouts: list[tuple[Any, ...]]) -> int:
-    raw = hashlib.blake2b(repr(layouts).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") >> (64 - _DIGEST_BITS)
 
 
 def _describe(layout: tuple[Any, ...], names: list[str]) -> str:

@@ -285,11 +285,12 @@ class FSDPState:
                 state.reshard_after_forward = state is not self
         for state in states:
             for group in state.groups:
+                group.path = state.fqn
                 if group.comm is not None:
                     group.comm = tree.comm  # initialized under a submodule's unshard() already
                 else:
                     group.lazy_init(tree.comm, names)
-        check_ranks_agree([(group, state.fqn) for state in states for group in state.groups])
+        check_ranks_agree([group for state in states for group in state.groups])
         return tree
 
     @property
