@@ -606,6 +606,29 @@ class ShardedParam:
             return unsharded
         return self._global(unsharded, self.tp_mesh, self.tp_placements)
 
+    def write_back(self, chunk: torch.Tensor) -> None:
+        """Copy this rank's ``chunk`` of the unsharded parameter (its copy-out target for
+        this rank: the padded slot in the unsharded buffer, in the buffer's dtype) into the
+        sharded parameter, where the two differ; see [Note: in-place changes to unsharded
+        parameters] in ``_param_group``."""
+        local = self.local_tensor()
+        n = local.numel()
+        if n == 0:
+            return
+        dtype = self.require_unsharded_param().dtype
+        if chunk.dtype != dtype:  # a byte buffer (mixed dtypes)
+            chunk = chunk.view(dtype)
+        source = chunk.reshape(-1)[:n].view(local.shape)
+        with torch.no_grad():
+            if source.dtype == local.dtype:
+                local.copy_(source)
+                return
+            # Mixed precision: only the elements changed since the gather (which cast the
+            # shard) are taken, so the others keep their full precision.
+            source = source.to(local.device)
+            changed = source != local.to(source.dtype)
+            local.copy_(torch.where(changed, source.to(local.dtype), local))
+
     def require_unsharded_param(self) -> nn.Parameter:
         """``unsharded_param``, which exists once the group's lazy init made it."""
         if self.unsharded_param is None:

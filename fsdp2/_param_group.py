@@ -68,6 +68,27 @@ the copy-out already writes each parameter's rows into its own slot. Where the a
 writes straight into the unsharded buffer (one parameter; one rank with aligned slots),
 there are no gaps.
 
+[Note: in-place changes to unsharded parameters]
+A module may change its unsharded parameters in place: ``Embedding(max_norm=...)``
+renormalizes the rows it looks up during forward, and a user may ``unshard()``, edit the
+weights under ``no_grad`` and ``reshard()``. The shards are the parameters' only lasting
+copy, so resharding would silently drop such a change (torch's ``fully_shard`` does: with
+``max_norm`` its training drifts from the non-sharded model's). The unsharded parameters
+are views of the unsharded buffer and share its version counter, which our own refills
+(through the ``.data`` alias, see [Note: storage resize and autograd]) do not bump. So the
+group notes that counter once filled, and when it has moved by the time the group reshards,
+or at the end of a backward that leaves the group unsharded, each parameter copies its own
+rows back into its shard: the whole chunk when the dtypes match, else only the elements
+that differ from the shard cast to the compute dtype, so a bf16 compute copy does not
+round the fp32 parameters it did not change. Each rank writes back the rows it owns: a
+change every rank makes alike (an edit after ``unshard()``) is kept exactly; one that
+depends on a rank's data (``max_norm`` renormalizes the rows its own batch looks up) is
+kept where the owning rank made it, one consistent model without more communication
+(DDP's replicas drift apart there). Changes made through ``.data`` bypass version
+counters and are not seen; extension parameters (rebuilt by their hooks) are not
+watched. If the shards were also updated since the gather (an optimizer step while the
+group was still unsharded with changes), one of the two would be lost: that is an error.
+
 [Note: stale unsharded parameters]
 A group that stays unsharded after its forward (``reshard_after_forward=False``, the root
 by default, or ``unshard()`` called by the user) is normally resharded by its
@@ -218,6 +239,9 @@ class ParamGroup(GradientReduction):
         # The flat shard (its id and version) the unsharded parameters were last gathered
         # from; see [Note: stale unsharded parameters].
         self._gathered_from: tuple[int, int] | None = None
+        # The unsharded buffer's version counter once filled, to see in-place changes; see
+        # [Note: in-place changes to unsharded parameters]. None: not watched.
+        self._unsharded_version: int | None = None
         self._all_gather: AllGatherInFlight | None = None
         self._extension_mesh: DeviceMesh | None = None  # the shard mesh the hooks see
         # reshard_after_forward=int (see ``set_post_forward_group``).
@@ -675,6 +699,14 @@ class ParamGroup(GradientReduction):
             return False
         if self._gathered_from == self._shard_version():
             return False
+        if self.unsharded_modified():
+            raise RuntimeError(
+                f"fully_shard: {self.where}: its unsharded parameters were changed in place "
+                f"and its shards were updated (optimizer.step()) since they were gathered; "
+                f"one of the two changes would be lost. Run backward before the optimizer "
+                f"step (the end of backward writes such changes back), or change the sharded "
+                f"parameters instead."
+            )
         self.reshard()
         return True
 
@@ -729,6 +761,9 @@ class ParamGroup(GradientReduction):
             for p in self.extensions:
                 p.finish_gather(self.mp_policy.param_dtype or p.dtype)
         self.sharded_state = ShardedState.UNSHARDED
+        # Extension parameters are rebuilt by their hooks, not views of the buffer.
+        watched = None if self.extensions else self._require_unsharded_flat()
+        self._unsharded_version = None if watched is None else watched._version
         for p in self.params:
             unsharded = p.require_unsharded_param()
             if unsharded.requires_grad != p.sharded_param.requires_grad:
@@ -747,6 +782,7 @@ class ParamGroup(GradientReduction):
                 self._post_forward_shard = self._post_forward_ready = None
                 self.sharded_state = ShardedState.SHARDED
             return
+        self.write_back_unsharded()
         # Extensions rebuild whole parameters: their groups reshard fully after forward.
         keep_partial = post_forward and self.post_forward_size > 0 and not self.extensions
         if keep_partial:
@@ -765,6 +801,26 @@ class ParamGroup(GradientReduction):
         self.sharded_state = (
             ShardedState.SHARDED_POST_FORWARD if keep_partial else ShardedState.SHARDED
         )
+
+    def unsharded_modified(self) -> bool:
+        """Whether the unsharded parameters were changed in place since they were filled."""
+        version = self._unsharded_version
+        return (
+            version is not None
+            and self.is_unsharded
+            and self._require_unsharded_flat()._version != version
+        )
+
+    @_outside_functorch
+    def write_back_unsharded(self) -> None:
+        """Copy in-place changes of the unsharded parameters into this rank's shards; see
+        [Note: in-place changes to unsharded parameters]."""
+        if not self.unsharded_modified():
+            return
+        for p, target in zip(self._gather_params, self._copy_out_targets, strict=True):
+            p.write_back(target[self.shard_rank])
+        self._unsharded_version = self._require_unsharded_flat()._version
+        self._gathered_from = self._shard_version()
 
     def _alloc_unsharded(self) -> None:
         flat = self._require_unsharded_flat()

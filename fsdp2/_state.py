@@ -688,6 +688,8 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             state._forward_positions.clear()
             state._modules_to_run.clear()
+            for group in state.groups:  # kept unsharded: before the optimizer step
+                group.write_back_unsharded()
         if self.is_last_backward:
             tree.comm.finish_reduces(keep=0)
             streams = tree.comm.streams
