@@ -30,6 +30,7 @@ from fsdp2._init import (
     collect_params,
     mark_composable,
     mark_managed,
+    mark_replaced,
     mesh_device,
     move_states_to_device,
     placement_of,
@@ -237,6 +238,7 @@ def _build_groups(
         # Mark the replaced originals too: another module may still hold one (a weight tied
         # across groups), and sharding it again would silently untie the weights.
         mark_managed([sp.sharded_param for sp in sharded] + [item[0] for item in members], label)
+        mark_replaced([(item[0], item[2]) for item in members], label)
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             size = reshard_after_forward
             if group_mesh is not mesh:

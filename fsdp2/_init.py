@@ -6,11 +6,21 @@ module(s)' subtrees, except those inside a submodule that an earlier call alread
 sharded or that torch's composable ``replicate()`` manages, and except
 ``ignored_params``. A parameter registered in several places (tied weights) is managed
 once, with every registration recorded so all of them are swapped.
+
+[Note: optimizers created before fully_shard]
+``fully_shard`` registers new parameter objects (``DTensor`` shards) in place of the
+module's. An optimizer built before the call still holds the originals, which no forward
+uses and no gradient reaches: its steps change nothing and training silently stalls, with
+the originals' full memory kept alive (torch's ``fully_shard`` behaves the same). So the
+originals are marked, and a global optimizer step pre-hook (installed by the first call)
+looks once per optimizer, and again when its number of parameter groups changes, for
+marked parameters; it raises instead of letting the step do nothing.
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +41,11 @@ from fsdp2._state import fsdp_state_of
 # parameters with torch.utils.swap_tensors, which refuses tensors that have weak references.
 # The attribute lives in the tensor's __dict__, which the swap carries over.
 _OWNER_ATTR = "_fsdp2_managed_by"
+# On the parameters a call replaced: "'fqn' (label)"; see [Note: optimizers created before
+# fully_shard].
+_REPLACED_ATTR = "_fsdp2_replaced"
+_optimizer_hook: Any = None
+_optimizers_checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def default_device_type() -> str:
@@ -359,6 +374,42 @@ def _validate_ignored(
 def mark_managed(params: Iterable[nn.Parameter], label: str) -> None:
     for p in params:
         setattr(p, _OWNER_ATTR, label)
+
+
+def mark_replaced(originals: Iterable[tuple[nn.Parameter, str]], label: str) -> None:
+    """Mark the parameters this call replaced, so that an optimizer still holding them
+    raises at its first step; see [Note: optimizers created before fully_shard]."""
+    global _optimizer_hook
+    for param, fqn in originals:
+        setattr(param, _REPLACED_ATTR, f"'{fqn}' ({label})")
+    if _optimizer_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer_params)
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    groups = len(optimizer.param_groups)
+    if _optimizers_checked.get(optimizer) == groups:
+        return
+    _optimizers_checked[optimizer] = groups
+    replaced = [
+        getattr(p, _REPLACED_ATTR)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if hasattr(p, _REPLACED_ATTR)
+    ]
+    if replaced:
+        shown = ", ".join(replaced[:3]) + (
+            f" and {len(replaced) - 3} more" if len(replaced) > 3 else ""
+        )
+        raise RuntimeError(
+            f"fully_shard: {type(optimizer).__name__} holds {len(replaced)} parameters that "
+            f"fully_shard replaced by sharded DTensor parameters ({shown}). It was created "
+            f"before fully_shard, or from a module that still shares them: its steps would "
+            f"update tensors the model no longer uses. Create the optimizer after "
+            f"fully_shard, from model.parameters()."
+        )
 
 
 def mark_composable(modules: tuple[nn.Module, ...]) -> None:

@@ -275,6 +275,25 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         model.a.lin.weight.grad = torch.zeros(4, 4)  # torch accepts it on a DTensor parameter
         model(x).sum().backward()
 
+    def optimizer_created_before_fully_shard() -> None:
+        model = Root()
+        optimizer = torch.optim.AdamW(model.parameters())  # holds the originals
+        for module in (model.a, model.b, model):
+            fsdp2.fully_shard(module, mesh=_mesh())
+        model(x).sum().backward()
+        optimizer.step()  # would change nothing the model uses
+
+    def replaced_params_added_to_optimizer_later() -> None:
+        model = Root()
+        originals = list(model.b.parameters())
+        for module in (model.a, model.b, model):
+            fsdp2.fully_shard(module, mesh=_mesh())
+        optimizer = torch.optim.SGD(model.a.parameters(), lr=0.1)
+        model(x).sum().backward()
+        optimizer.step()  # checked once: fine
+        optimizer.add_param_group({"params": originals})
+        optimizer.step()  # a new group: checked again
+
     return {
         name: fn
         for name, fn in locals().items()
@@ -298,6 +317,17 @@ def provoke_all() -> dict[str, tuple[str, str]]:
 
 # case -> (exception type, regex the message must match)
 EXPECTED: dict[str, tuple[str, str]] = {
+    "optimizer_created_before_fully_shard": (
+        "RuntimeError",
+        r"^fully_shard: AdamW holds 4 parameters that fully_shard replaced by sharded "
+        r"DTensor parameters \('lin\.weight' \(Block\), 'lin\.bias' \(Block\), "
+        r"'lin\.weight' \(Block\) and 1 more\)\. It was created before fully_shard.*"
+        r"Create the optimizer after fully_shard",
+    ),
+    "replaced_params_added_to_optimizer_later": (
+        "RuntimeError",
+        r"^fully_shard: SGD holds 2 parameters that fully_shard replaced",
+    ),
     "forward_called_directly": (
         "RuntimeError",
         r"Block\.forward\(\) was called directly.*unshard\(\)",
