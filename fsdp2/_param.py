@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -656,3 +657,36 @@ class ShardedParam:
             shape=self.global_shape,
             stride=contiguous_stride(self.global_shape),
         )
+
+
+def refuse_plain_values(
+    names: tuple[str, ...],
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    local_metadata: Mapping[str, Any],
+    *_: Any,
+) -> None:
+    """``load_state_dict`` pre-hook of a module whose parameters ``names`` are sharded: a
+    plain tensor for one of them (typically a full state dict) raises an error that says
+    how to load it, instead of DTensor's "got mixed torch.Tensor and DTensor" for every
+    entry. With ``assign=True`` the adoption check (``ensure_shards_bound``) explains it."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name in names:
+        value = state_dict.get(prefix + name)
+        current = module._parameters.get(name)
+        if (
+            isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and isinstance(current, DTensor)
+        ):
+            raise RuntimeError(
+                f"load_state_dict: '{prefix}{name}' is a plain tensor of shape "
+                f"{tuple(value.shape)}, but fully_shard made that parameter a DTensor (global "
+                f"shape {tuple(current.shape)}, this rank's shard {tuple(current.to_local().shape)}). "
+                f"Load full weights with fsdp2.load_full_state_dict(model, state_dict) (rank 0's "
+                f"dict, broadcast) or torch's set_model_state_dict(model, state_dict, "
+                f"options=StateDictOptions(full_state_dict=True)); or pass DTensor values "
+                f"(another sharded model's state_dict(), distribute_tensor(full, mesh, placements))."
+            )

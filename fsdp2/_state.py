@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp2._backward_nodes import EagerPostBackward, ForwardCall, PostBackward
 from fsdp2._comm_context import CommContext
 from fsdp2._module_io import cast_floating, map_tensors, tensors_in
+from fsdp2._param import refuse_plain_values
 from fsdp2._param_group import ParamGroup
 from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
 from fsdp2._rank_agreement import check_ranks_agree
@@ -191,9 +192,14 @@ class FSDPState:
             # even right after a forward that kept the parameters unsharded.
             owners = {id(m): m for g in self.groups for p in g.params for m, _ in p.uses}
             for owner in owners.values():
+                names = tuple(n for g in self.groups for p in g.params for m, n in p.uses
+                              if m is owner)  # fmt: skip
                 self._hook_handles += [
                     owner.register_state_dict_pre_hook(self._reshard_for_state_dict),
                     owner.register_load_state_dict_pre_hook(self._reshard_for_state_dict),
+                    owner.register_load_state_dict_pre_hook(
+                        functools.partial(refuse_plain_values, names)
+                    ),
                     # load_state_dict(assign=True) replaces the parameters: adopt them.
                     owner.register_load_state_dict_post_hook(self._adopt_loaded),
                 ]

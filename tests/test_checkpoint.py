@@ -702,6 +702,31 @@ def test_assign_plain_tensor_is_a_clear_error() -> None:
         assert "DTensor shards" in message, message
 
 
+def rank_load_plain_full_tensors() -> str:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fsdp2.fully_shard(model[0], mesh=make_mesh())
+    fsdp2.fully_shard(model, mesh=make_mesh())
+    try:
+        model.load_state_dict(full)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_load_plain_full_tensors_says_how() -> None:
+    """A full state dict passed to ``load_state_dict`` (without ``assign``) names the first
+    plain entry and the loaders that take full weights, instead of DTensor's "got mixed
+    torch.Tensor and DTensor" for every entry."""
+    for message in run_ranks(rank_load_plain_full_tensors, 2):
+        assert message.startswith(
+            "load_state_dict: '0.weight' is a plain tensor of shape (4, 4), but fully_shard "
+            "made that parameter a DTensor (global shape (4, 4), this rank's shard (2, 4))"
+        ), message
+        assert "fsdp2.load_full_state_dict(model, state_dict)" in message, message
+        assert "mixed torch.Tensor and DTensor" not in message, message
+
+
 # ------------------------------------------------------------- full state dicts
 
 
