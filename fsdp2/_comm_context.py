@@ -14,8 +14,8 @@ modules' parameters or gradients, others make gloo abort and NCCL hang, and at t
 of the step one rank waits for a collective no other rank issues. torch's
 ``fully_shard`` behaves the same.
 
-Under torch's debug switch ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read when the root
-initializes), every rank describes each all-gather, reduce-scatter and all-reduce just
+Under torch's debug switch ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (read when the context is
+built: at the root's first forward, or by ``share_comm_ctx``), every rank describes each all-gather, reduce-scatter and all-reduce just
 before issuing it ("all-gather of layers.2 (TransformerBlock), 4096 elements") and
 reduces a digest of the description (``descriptions_if_different``: one blocking
 all-reduce on the backend). The checks pair up with each other up to the first

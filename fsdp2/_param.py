@@ -681,12 +681,14 @@ def refuse_plain_values(
             and not isinstance(value, DTensor)
             and isinstance(current, DTensor)
         ):
+            local_shape = tuple(current.to_local().shape)
             raise RuntimeError(
                 f"load_state_dict: '{prefix}{name}' is a plain tensor of shape "
                 f"{tuple(value.shape)}, but fully_shard made that parameter a DTensor (global "
-                f"shape {tuple(current.shape)}, this rank's shard {tuple(current.to_local().shape)}). "
-                f"Load full weights with fsdp2.load_full_state_dict(model, state_dict) (rank 0's "
-                f"dict, broadcast) or torch's set_model_state_dict(model, state_dict, "
+                f"shape {tuple(current.shape)}, this rank's shard {local_shape}). Load full "
+                f"weights with fsdp2.load_full_state_dict(model, state_dict) (rank 0's dict, "
+                f"broadcast) or torch's set_model_state_dict(model, state_dict, "
                 f"options=StateDictOptions(full_state_dict=True)); or pass DTensor values "
-                f"(another sharded model's state_dict(), distribute_tensor(full, mesh, placements))."
+                f"(another sharded model's state_dict(), or distribute_tensor(full, mesh, "
+                f"placements))."
             )
