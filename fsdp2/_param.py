@@ -46,6 +46,27 @@ in-place edit to autograd, which would reject the saved tensors; it therefore wr
 through an alias made with ``.data``, which shares the storage but has its own version
 counter.
 
+[Note: in-place changes to unsharded parameters]
+A module may change its unsharded parameters in place: ``Embedding(max_norm=...)``
+renormalizes the rows it looks up during forward, and a user may ``unshard()``, edit the
+weights under ``no_grad`` and ``reshard()``. The shards are the parameters' only lasting
+copy, so resharding would silently drop such a change (torch's ``fully_shard`` does: with
+``max_norm`` its training drifts from the non-sharded model's). The unsharded parameters
+are views of the unsharded buffer and share its version counter, which our own refills
+(through the ``.data`` alias, see [Note: storage resize and autograd]) do not bump. So the
+group notes that counter once filled, and when it has moved by the time the group reshards,
+or at the end of a backward that leaves the group unsharded, each parameter copies its own
+rows back into its shard: the whole chunk when the dtypes match, else only the elements
+that differ from the shard cast to the compute dtype, so a bf16 compute copy does not
+round the fp32 parameters it did not change. Each rank writes back the rows it owns: a
+change every rank makes alike (an edit after ``unshard()``) is kept exactly; one that
+depends on a rank's data (``max_norm`` renormalizes the rows its own batch looks up) is
+kept where the owning rank made it, one consistent model without more communication
+(DDP's replicas drift apart there). Changes made through ``.data`` bypass version
+counters and are not seen; extension parameters (rebuilt by their hooks) are not
+watched. If the shards were also updated since the gather (an optimizer step while the
+group was still unsharded with changes), one of the two would be lost: that is an error.
+
 [Note: shard aliases at offset 0]
 A ``DTensor`` wrapper copies its local tensor's storage offset, so a local tensor that is a
 plain view into the flat buffer at a nonzero offset gives the wrapper (and every ``DTensor``

@@ -68,27 +68,6 @@ the copy-out already writes each parameter's rows into its own slot. Where the a
 writes straight into the unsharded buffer (one parameter; one rank with aligned slots),
 there are no gaps.
 
-[Note: in-place changes to unsharded parameters]
-A module may change its unsharded parameters in place: ``Embedding(max_norm=...)``
-renormalizes the rows it looks up during forward, and a user may ``unshard()``, edit the
-weights under ``no_grad`` and ``reshard()``. The shards are the parameters' only lasting
-copy, so resharding would silently drop such a change (torch's ``fully_shard`` does: with
-``max_norm`` its training drifts from the non-sharded model's). The unsharded parameters
-are views of the unsharded buffer and share its version counter, which our own refills
-(through the ``.data`` alias, see [Note: storage resize and autograd]) do not bump. So the
-group notes that counter once filled, and when it has moved by the time the group reshards,
-or at the end of a backward that leaves the group unsharded, each parameter copies its own
-rows back into its shard: the whole chunk when the dtypes match, else only the elements
-that differ from the shard cast to the compute dtype, so a bf16 compute copy does not
-round the fp32 parameters it did not change. Each rank writes back the rows it owns: a
-change every rank makes alike (an edit after ``unshard()``) is kept exactly; one that
-depends on a rank's data (``max_norm`` renormalizes the rows its own batch looks up) is
-kept where the owning rank made it, one consistent model without more communication
-(DDP's replicas drift apart there). Changes made through ``.data`` bypass version
-counters and are not seen; extension parameters (rebuilt by their hooks) are not
-watched. If the shards were also updated since the gather (an optimizer step while the
-group was still unsharded with changes), one of the two would be lost: that is an error.
-
 [Note: stale unsharded parameters]
 A group that stays unsharded after its forward (``reshard_after_forward=False``, the root
 by default, or ``unshard()`` called by the user) is normally resharded by its
@@ -240,7 +219,8 @@ class ParamGroup(GradientReduction):
         # from; see [Note: stale unsharded parameters].
         self._gathered_from: tuple[int, int] | None = None
         # The unsharded buffer's version counter once filled, to see in-place changes; see
-        # [Note: in-place changes to unsharded parameters]. None: not watched.
+        # [Note: in-place changes to unsharded parameters] in ``_param``. None: not
+        # watched.
         self._unsharded_version: int | None = None
         self._all_gather: AllGatherInFlight | None = None
         self._extension_mesh: DeviceMesh | None = None  # the shard mesh the hooks see
@@ -814,7 +794,7 @@ class ParamGroup(GradientReduction):
     @_outside_functorch
     def write_back_unsharded(self) -> None:
         """Copy in-place changes of the unsharded parameters into this rank's shards; see
-        [Note: in-place changes to unsharded parameters]."""
+        [Note: in-place changes to unsharded parameters] in ``_param``."""
         if not self.unsharded_modified():
             return
         for p, target in zip(self._gather_params, self._copy_out_targets, strict=True):

@@ -1,5 +1,5 @@
 """In-place changes to unsharded parameters are written back to the shards (see
-[Note: in-place changes to unsharded parameters] in ``fsdp2/_param_group.py``).
+[Note: in-place changes to unsharded parameters] in ``fsdp2/_param.py``).
 
 torch's ``fully_shard`` drops them when it reshards: ``Embedding(max_norm=...)`` trains
 away from the non-sharded model, and an edit between ``unshard()`` and ``reshard()`` is
