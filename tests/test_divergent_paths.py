@@ -75,17 +75,18 @@ def _first_error(model: Blocks, steps: list[dict[str, Any]]) -> str:
     return "no error"
 
 
-def _skipped_block(rank_skipping: int) -> str:
+def _rank_1_diverges(second_step: dict[str, Any]) -> str:
+    """One step on the same path everywhere, then a second in which rank 1 alone passes
+    ``second_step`` to the forward."""
     with _debug_level(dist.DebugLevel.DETAIL):
         model = _sharded()
-        me = dist.get_rank()
-        return _first_error(model, [{}, {"skip": 2 if me == rank_skipping else -1}])
+        return _first_error(model, [{}, second_step if dist.get_rank() == 1 else {}])
 
 
 def test_module_skipped_on_one_rank_is_named() -> None:
     """Rank 1 skips ``blocks.2`` in the second step's forward: its all-gather of
     ``blocks.3`` (same size) would meet the others' ``blocks.2``."""
-    messages = run_ranks(_skipped_block, 2, 1, timeout=60)
+    messages = run_ranks(_rank_1_diverges, 2, {"skip": 2}, timeout=60)
     assert messages[0] == messages[1], messages
     assert "about to issue different collectives" in messages[0]
     assert "rank 0: all-gather of blocks.2 (Linear), 72 elements" in messages[0]
@@ -93,17 +94,10 @@ def test_module_skipped_on_one_rank_is_named() -> None:
     assert "ran different paths through the sharded modules" in messages[0]
 
 
-def _left_out_of_backward() -> str:
-    with _debug_level(dist.DebugLevel.DETAIL):
-        model = _sharded()
-        me = dist.get_rank()
-        return _first_error(model, [{}, {"detach": 2 if me == 1 else -1}])
-
-
 def test_module_left_out_of_backward_on_one_rank_is_named() -> None:
     """Rank 1's loss does not reach ``blocks.2``'s parameters: its backward never gathers
     them again, so its next collective is another group's."""
-    messages = run_ranks(_left_out_of_backward, 4, timeout=60)
+    messages = run_ranks(_rank_1_diverges, 4, {"detach": 2}, timeout=60)
     assert len(set(messages)) == 1, messages
     assert "ranks 0, 2, 3: all-gather of blocks.2 (Linear)" in messages[0]
     assert "rank 1: " in messages[0]
