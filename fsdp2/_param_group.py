@@ -679,15 +679,7 @@ class ParamGroup(GradientReduction):
             return False
         if self._gathered_from == self._shard_version():
             return False
-        if self.unsharded_modified():
-            raise RuntimeError(
-                f"fully_shard: {self.where}: its unsharded parameters were changed in place "
-                f"and its shards were updated (optimizer.step()) since they were gathered; "
-                f"one of the two changes would be lost. Run backward before the optimizer "
-                f"step (the end of backward writes such changes back), or change the sharded "
-                f"parameters instead."
-            )
-        self.reshard()
+        self.reshard()  # raises if the unsharded parameters were changed too
         return True
 
     def _shard_version(self) -> tuple[int, int]:
@@ -797,6 +789,14 @@ class ParamGroup(GradientReduction):
         [Note: in-place changes to unsharded parameters] in ``_param``."""
         if not self.unsharded_modified():
             return
+        if self._gathered_from is not None and self._gathered_from != self._shard_version():
+            raise RuntimeError(
+                f"fully_shard: {self.where}: its unsharded parameters were changed in place "
+                f"and its shards were updated (optimizer.step()) since they were gathered; "
+                f"one of the two changes would be lost. Run backward before the optimizer "
+                f"step (the end of backward writes such changes back), reshard() before "
+                f"stepping, or change the sharded parameters instead."
+            )
         for p, target in zip(self._gather_params, self._copy_out_targets, strict=True):
             p.write_back(target[self.shard_rank])
         self._unsharded_version = self._require_unsharded_flat()._version

@@ -161,10 +161,30 @@ def _edit_then_optimizer_step() -> str:
     return "no error"
 
 
-def test_in_place_change_and_shard_update_together_are_an_error() -> None:
-    messages = run_ranks(_edit_then_optimizer_step, 2, timeout=60)
+def _unshard_edit_step_reshard() -> str:
+    """``unshard()``, an edit, an optimizer step on the shards, then ``reshard()``: writing
+    the edit back would undo the step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    fsdp2.fully_shard(model)
+    shards = list(model.parameters())
+    model.unshard()
+    with torch.no_grad():
+        model.weight.zero_()
+        for p in shards:
+            p.add_(0.1)
+    try:
+        model.reshard()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("where", ["next forward", "reshard"])
+def test_in_place_change_and_shard_update_together_are_an_error(where: str) -> None:
+    rank_fn = _edit_then_optimizer_step if where == "next forward" else _unshard_edit_step_reshard
+    module = "the root (MaxNormModel)" if where == "next forward" else "the root (Linear)"
+    messages = run_ranks(rank_fn, 2, timeout=60)
     for message in messages:
-        assert "the root (MaxNormModel): its unsharded parameters were changed in place" in (
-            message
-        ), message
+        assert f"{module}: its unsharded parameters were changed in place" in message, message
         assert "one of the two changes would be lost" in message
