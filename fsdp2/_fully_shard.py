@@ -373,7 +373,9 @@ class FSDPModule:
 
     # -- parameters ------------------------------------------------------------------------
     def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones again."""
+        """Free the unsharded parameters and register the sharded ones again. In-place
+        changes made to the unsharded parameters since they were gathered are first
+        written back to the shards (torch drops them; see docs/control.md)."""
         for group in self._fsdp_state.groups:
             group.reshard()
 

@@ -682,6 +682,13 @@ class FSDPState:
                 # Gathered again after its post-backward (a backward prefetch nothing
                 # used): free it; its gradients were reduced already.
                 state._reshard_after_backward()
+            else:
+                # Sums left by backwards without gradient sync, in a group this backward
+                # (with sync) did not use: reduce them now, as torch's final callback does,
+                # or the optimizer step would miss them.
+                for group in state.groups:
+                    if group.grads_unsynced and group.requires_gradient_sync:
+                        group.reduce_grads()
             state._post_backward_done = False
             state._reduced_early = False
             state._open_claims = 0

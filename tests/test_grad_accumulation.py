@@ -208,3 +208,56 @@ def test_dropped_forward_does_not_delay_reductions() -> None:
     for rep in run_ranks(rank_reductions_after_dropped_forward, 2):
         # The first layer's input needs no grad: it reduces in the final callback.
         assert rep["where"] == ["in backward", "in backward", "final callback"], rep
+
+
+def rank_group_unused_by_the_synced_microbatch(impl: str, keep_unsharded: bool) -> float:
+    """The first microbatch (no sync) uses an auxiliary head, the second (with sync) does
+    not: the auxiliary head's sum must still be reduced at the end of the synced backward,
+    as torch does, or the optimizer step misses it. Returns the largest gradient
+    difference from a non-sharded model on the same microbatches (inf: no gradient)."""
+    import copy
+
+    import torch
+    from _helpers import get_fully_shard
+    from torch import nn
+
+    class WithAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.aux = nn.Linear(4, 1)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+            h = torch.relu(self.body(x))
+            out = self.head(h).sum()
+            return out + self.aux(h).sum() if use_aux else out
+
+    torch.manual_seed(0)
+    model = WithAux()
+    reference = copy.deepcopy(model)
+    fully_shard = get_fully_shard(impl)
+    for module in (model.aux, model.body, model):
+        fully_shard(module)
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    batches = torch.randn(2, ws, 3, 4)
+    for micro, use_aux in enumerate([True, False]):
+        model.set_requires_gradient_sync(micro == 1)
+        model.set_reshard_after_backward(micro == 1 or not keep_unsharded)
+        model(batches[micro, rank], use_aux).backward()
+        for r in range(ws):
+            (reference(batches[micro, r], use_aux) / ws).backward()
+    worst = 0.0
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        if p.grad is None:
+            return float("inf")
+        worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("keep_unsharded", [False, True], ids=["resharded", "kept"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_group_unused_by_the_synced_microbatch_is_reduced(impl: str, keep_unsharded: bool) -> None:
+    require_impl(impl)
+    worst = run_ranks(rank_group_unused_by_the_synced_microbatch, 2, impl, keep_unsharded)
+    assert max(worst) <= 1e-6, worst
