@@ -128,6 +128,7 @@ class GradientReduction:
     _partial_reduce: tuple[torch.Tensor, tuple[int, ...]] | None
     comm: CommContext | None
     grads_unsynced: bool
+    requires_gradient_sync: bool
     gradient_divide_factor: float | None
     force_sum_reduction: bool
     reduce_scatter_unused: bool
@@ -180,6 +181,14 @@ class GradientReduction:
             p.unsharded_param is not None and p.unsharded_param.grad is not None
             for p in self.params
         )
+
+    def owes_reduction(self) -> bool:
+        """Whether sums kept from earlier backwards (unsynced gradients, or HSDP's partial
+        sums without the all-reduce) are due now that the switches ask for them."""
+        if not self.requires_gradient_sync:
+            return False
+        partial_due = self._partial_reduce is not None and self.requires_all_reduce
+        return self.grads_unsynced or partial_due
 
     def reduce_grads(self) -> None:
         """Reduce-scatter the unsharded gradients (one fused copy-in, one collective) and

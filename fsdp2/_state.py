@@ -683,11 +683,12 @@ class FSDPState:
                 # used): free it; its gradients were reduced already.
                 state._reshard_after_backward()
             else:
-                # Sums left by backwards without gradient sync, in a group this backward
-                # (with sync) did not use: reduce them now, as torch's final callback does,
-                # or the optimizer step would miss them.
+                # Sums left by backwards without gradient sync (or, with HSDP, without the
+                # all-reduce) in a group this backward did not use: reduce them now, or
+                # the optimizer step would miss them (torch's final callback does the
+                # former, and drops HSDP's partial sums).
                 for group in state.groups:
-                    if group.grads_unsynced and group.requires_gradient_sync:
+                    if group.owes_reduction():
                         group.reduce_grads()
             state._post_backward_done = False
             state._reduced_early = False
