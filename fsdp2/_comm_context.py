@@ -27,6 +27,7 @@ compute, so it is off by default.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Protocol
 
 import torch
@@ -34,7 +35,10 @@ import torch.distributed as dist
 
 from fsdp2._collectives import PendingCollective, descriptions_if_different
 from fsdp2._host_buffers import HostBufferPool
-from fsdp2._stream_utils import CommStreams, Event, record_event
+from fsdp2._stream_utils import CommStreams, Event, record_event, wait_stream
+
+# Every context alive, for ``finish_all_reductions`` (an optimizer step must see them all).
+_LIVE: weakref.WeakSet[CommContext] = weakref.WeakSet()
 
 
 class FinishesReduce(Protocol):
@@ -74,6 +78,7 @@ class CommContext:
         self.host_buffers = HostBufferPool(device)  # see [Note: host buffer pool]
         # See [Note: ranks that run different paths].
         self.check_collectives = collective_checks_requested()
+        _LIVE.add(self)
 
     def release_all_gather_memory(self) -> None:
         """Called after the compute stream's last use of all-gather-stream memory."""
@@ -122,6 +127,22 @@ class CommContext:
         while len(self.reduces) > keep:
             in_flight = self.reduces.pop(0)
             in_flight.group.finish_reduce(in_flight)
+
+    def finish_all(self) -> None:
+        """Finish every reduction in flight and order the compute stream after them: the
+        end of the last backward, and before an optimizer step."""
+        self.finish_reduces(keep=0)
+        streams = self.streams
+        wait_stream(streams.compute(), streams.reduce_scatter)
+
+
+def finish_all_reductions() -> None:
+    """Before an optimizer step: finish the reductions that backwards under
+    ``set_is_last_backward(False)`` left in flight, whose gradients are assigned only
+    when finished (the step would otherwise see ``grad None`` or last step's gradients)."""
+    for context in list(_LIVE):
+        if context.reduces:
+            context.finish_all()
 
 
 def collective_checks_requested() -> bool:

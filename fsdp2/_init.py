@@ -14,7 +14,9 @@ uses and no gradient reaches: its steps change nothing and training silently sta
 the originals' full memory kept alive (torch's ``fully_shard`` behaves the same). So the
 originals are marked, and a global optimizer step pre-hook (installed by the first call)
 looks once per optimizer, and again when its number of parameter groups changes, for
-marked parameters; it raises instead of letting the step do nothing.
+marked parameters; it raises instead of letting the step do nothing. The same hook first
+finishes reductions that backwards under ``set_is_last_backward(False)`` left in flight
+(``finish_all_reductions``): their gradients are assigned only when finished.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+from fsdp2._comm_context import finish_all_reductions
 from fsdp2._param import UnevenShardError, Use
 from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
 from fsdp2._state import fsdp_state_of
@@ -385,10 +388,11 @@ def mark_replaced(originals: Iterable[tuple[nn.Parameter, str]], label: str) -> 
     if _optimizer_hook is None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer_params)
+        _optimizer_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    finish_all_reductions()  # left in flight by set_is_last_backward(False)
     groups = len(optimizer.param_groups)
     if _optimizers_checked.get(optimizer) == groups:
         return

@@ -705,9 +705,7 @@ class FSDPState:
             for group in state.groups:  # kept unsharded: before the optimizer step
                 group.write_back_unsharded()
         if self.is_last_backward:
-            tree.comm.finish_reduces(keep=0)
-            streams = tree.comm.streams
-            wait_stream(streams.compute(), streams.reduce_scatter)
+            tree.comm.finish_all()
         tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
         tree.parked.clear()
         tree.forward_order.clear()
@@ -753,9 +751,7 @@ class FSDPState:
         if tree is None:
             return
         if self.is_last_backward:
-            tree.comm.finish_reduces(keep=0)
-            streams = tree.comm.streams
-            wait_stream(streams.compute(), streams.reduce_scatter)
+            tree.comm.finish_all()
         tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
 
     # [Note: torch's private pipelining protocol]

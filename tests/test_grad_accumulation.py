@@ -276,3 +276,45 @@ def test_group_unused_by_the_last_microbatch_is_reduced(impl: str, mode: str) ->
     world_size = 4 if mode == "all-reduce" else 2
     worst = run_ranks(rank_group_unused_by_the_synced_microbatch, world_size, impl, mode)
     assert max(worst) <= 1e-6, worst
+
+
+def rank_step_after_backward_not_flagged_last(impl: str) -> float:
+    """Every backward under ``set_is_last_backward(False)`` (never set back): the
+    optimizer step must still see every reduced gradient. Returns the largest parameter
+    difference from a non-sharded model after two SGD steps."""
+    import copy
+
+    import torch
+    from _helpers import get_fully_shard
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    reference = copy.deepcopy(model)
+    fully_shard = get_fully_shard(impl)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    worst = 0.0
+    for _ in range(2):
+        batch = torch.randn(ws, 3, 4)
+        model.set_is_last_backward(False)
+        model(batch[rank]).sum().backward()
+        for r in range(ws):
+            (reference(batch[r]).sum() / ws).backward()
+        for opt in (optim, ref_optim):
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst = max(worst, (p.full_tensor() - q).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_optimizer_step_after_backward_not_flagged_last(impl: str) -> None:
+    require_impl(impl)
+    worst = run_ranks(rank_step_after_backward_not_flagged_last, 2, impl)
+    assert max(worst) <= 1e-6, worst

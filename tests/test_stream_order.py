@@ -109,6 +109,7 @@ def _recording(log: list[tuple]) -> Any:
         (_grad_reduce, "use_stream"): lambda stream: contextlib.nullcontext(),
         (_grad_reduce, "reduce_scatter_flat"): reduce_scatter_flat,
         (_comm_context, "record_event"): record_event,
+        (_comm_context, "wait_stream"): wait_stream,
         (_state, "wait_event"): wait_event,
         (_state, "wait_stream"): wait_stream,
     }
