@@ -177,6 +177,18 @@ class Scale(nn.Module):
         return x * self.scale
 
 
+def mlp_and_sharded_copy(impl: str, reshard: bool) -> tuple[nn.Module, nn.Module]:
+    """A small MLP (4 -> 6 -> 3) and a copy sharded by ``impl`` as two groups (first layer,
+    root) with ``reshard_after_forward=reshard``: (reference, sharded)."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = copy.deepcopy(reference)
+    fully_shard = get_fully_shard(impl)
+    fully_shard(model[0], reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return reference, model
+
+
 def make_mlp_stack() -> nn.Sequential:
     """Tiny, uneven shapes: weights (7,5), (3,7), (9,3), (4,9); biases 7/3/9/4; a 1-element
     1-D ``scale``. At world size 4, dim 0 of size 3 and 1 leaves empty shards on the last

@@ -56,6 +56,7 @@ from _helpers import (
     make_mesh,
     memory_regions,
     memory_span,
+    mlp_and_sharded_copy,
     require_impl,
     torch_fsdp_has,
 )
@@ -806,13 +807,8 @@ def rank_convert_while_gathered(impl: str) -> dict:
     """A ``reshard_after_forward=False`` module still holds its gathered parameters after an
     eval forward; ``module.to(bfloat16)`` then has to convert the sharded parameters (torch
     reshards before converting), so the dtype change survives and the next step uses it."""
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3))
-    model = copy.deepcopy(reference)
-    fully_shard = get_fully_shard(impl)
-    fully_shard(model[0], reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
-    batch = torch.randn(4, 6)
+    reference, model = mlp_and_sharded_copy(impl, reshard=False)
+    batch = torch.randn(4, 4)
     with torch.no_grad():
         model(batch)
     model.to(BF16)

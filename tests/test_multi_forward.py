@@ -36,7 +36,7 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, get_fully_shard, is_dtensor, require_impl
+from _helpers import IMPLS, get_fully_shard, is_dtensor, mlp_and_sharded_copy, require_impl
 from _launcher import run_ranks
 from torch import nn
 
@@ -119,14 +119,9 @@ def test_two_forwards_two_backwards_reduce_like_torch() -> None:
 
 
 def _mlp_and_sharded_copy(impl: str, reshard: bool) -> tuple[nn.Module, nn.Module, Any, Any]:
-    """A small MLP, a copy sharded as two groups (first layer, root), and SGD for each:
-    (reference, sharded, reference optimizer, sharded optimizer)."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-    model = copy.deepcopy(ref)
-    fully_shard = get_fully_shard(impl)
-    fully_shard(model[0], reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+    """``mlp_and_sharded_copy`` and SGD for each: (reference, sharded, reference
+    optimizer, sharded optimizer)."""
+    ref, model = mlp_and_sharded_copy(impl, reshard)
     sgd = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     return ref, model, sgd[0], sgd[1]
 
