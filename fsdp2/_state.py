@@ -739,7 +739,7 @@ class FSDPState:
     def _reduce_unsynced(self) -> None:
         """This state's part of ``reduce_unsynced_grads``: reduce-scatter what backwards
         without gradient sync accumulated (if sync is on now) and reshard."""
-        if any(g.grads_unsynced and g.requires_gradient_sync for g in self.groups):
+        if any(g.owes_reduction() for g in self.groups):
             self._reduce_and_reshard()
         else:
             self._reshard_after_backward()
