@@ -632,7 +632,7 @@ class ShardedParam:
         """Copy this rank's ``chunk`` of the unsharded parameter (its copy-out target for
         this rank: the padded slot in the unsharded buffer, in the buffer's dtype) into the
         sharded parameter, where the two differ; see [Note: in-place changes to unsharded
-        parameters] in ``_param_group``."""
+        parameters] (this module)."""
         local = self.local_tensor()
         n = local.numel()
         if n == 0:

@@ -67,35 +67,12 @@ buffer: the flat shard (the all-gather input) and the all-gather output stay pac
 the copy-out already writes each parameter's rows into its own slot. Where the all-gather
 writes straight into the unsharded buffer (one parameter; one rank with aligned slots),
 there are no gaps.
-
-[Note: stale unsharded parameters]
-A group that stays unsharded after its forward (``reshard_after_forward=False``, the root
-by default, or ``unshard()`` called by the user) is normally resharded by its
-post-backward, before the optimizer runs. Without a backward (the loss was discarded, a
-forward with grad enabled for logging, a step whose outputs needed no gradient) it stays
-unsharded through ``optimizer.step()``, which writes only the shards; the next forward
-would find the group unsharded and compute with the old weights (torch's ``fully_shard``
-does). So every all-gather records the flat shard it read and the version counters of it and
-of the sharded parameters (an optimizer's in-place update bumps the ``DTensor``'s own
-counter, not its local tensor's: one integer read per parameter per step), and the
-root's pre-forward reshards any group whose shards changed since: its forward gathers the
-current values. A sharded submodule called directly (outside the root's forward) checks
-its own group the same way. Forwards
-without an update in between (several forwards then one backward, eval loops) see the
-same version and keep their unsharded parameters. The same holds for a kept post-forward
-share of ``reshard_after_forward=k``, and for a user's ``unshard()`` followed by an
-optimizer step: a forward always uses the current shards. Resharding keeps the unsharded
-buffer's storage object (it is only emptied), so an older graph that saved the unsharded
-parameters and still runs a backward sees the re-gathered values, as a non-sharded model's
-graph would see its in-place updated parameters.
-
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from enum import Enum, auto
 from typing import Any, NamedTuple
 
 import torch
@@ -121,6 +98,7 @@ from fsdp2._stream_utils import (
     wait_event,
     wait_stream,
 )
+from fsdp2._unsharded_upkeep import ShardedState, UnshardedUpkeep
 
 
 def _outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,13 +118,6 @@ def _outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class ShardedState(Enum):
-    SHARDED = auto()
-    # reshard_after_forward=int: sharded over a smaller group until backward gathers it.
-    SHARDED_POST_FORWARD = auto()
-    UNSHARDED = auto()
-
-
 class AllGatherInFlight(NamedTuple):
     input: torch.Tensor  # the flat shard, or its cast/device copy (kept alive until done)
     output: torch.Tensor  # 1-D, world_size * S, rank-major
@@ -157,7 +128,7 @@ class AllGatherInFlight(NamedTuple):
     in_place: bool
 
 
-class ParamGroup(GradientReduction):
+class ParamGroup(GradientReduction, UnshardedUpkeep):
     """Parameters communicated together; see the module docstring for the buffers."""
 
     def __init__(
@@ -216,12 +187,17 @@ class ParamGroup(GradientReduction):
         # before each all-gather (see [Note: weights tied after sharding] in ``_param``).
         self._tied: list[ShardedParam] = []
         # The flat shard (its id and version) the unsharded parameters were last gathered
-        # from; see [Note: stale unsharded parameters].
+        # from; see [Note: stale unsharded parameters] in ``_unsharded_upkeep``.
         self._gathered_from: tuple[int, int] | None = None
         # The unsharded buffer's version counter once filled, to see in-place changes; see
         # [Note: in-place changes to unsharded parameters] in ``_param``. None: not
         # watched.
         self._unsharded_version: int | None = None
+        # Gathered by a backward that built a graph: see [Note: backward that builds a
+        # graph] in ``_unsharded_upkeep``.
+        self.held_by_graph = False
+        self.kept_for_graph = False
+        self._hold_hooks: list[Any] = []
         self._all_gather: AllGatherInFlight | None = None
         self._extension_mesh: DeviceMesh | None = None  # the shard mesh the hooks see
         # reshard_after_forward=int (see ``set_post_forward_group``).
@@ -526,14 +502,6 @@ class ParamGroup(GradientReduction):
         return changed
 
     # -- unshard / reshard -----------------------------------------------------------------
-    @property
-    def is_unsharded(self) -> bool:
-        return self.sharded_state is ShardedState.UNSHARDED
-
-    @property
-    def unshard_pending(self) -> bool:
-        return self._all_gather is not None
-
     @_outside_functorch
     def unshard(self, *, after_compute: bool = False) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
@@ -545,7 +513,7 @@ class ParamGroup(GradientReduction):
         after ``optimizer.step()``, needs it too, or on an accelerator it could gather
         shards the optimizer has not finished writing.
         """
-        if self.is_unsharded or self._all_gather is not None:
+        if self.is_unsharded or self._all_gather is not None or self.reuse_kept():
             return
         comm = self._require_comm()
         stream = comm.streams.all_gather
@@ -669,28 +637,6 @@ class ParamGroup(GradientReduction):
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
 
-    def reshard_if_stale(self) -> bool:
-        """Reshard (dropping a kept post-forward share too) when the shards were written
-        since the unsharded parameters were gathered from them, so the next unshard
-        gathers the current values; see [Note: stale unsharded parameters]. Returns
-        whether it resharded."""
-        gathered = self.is_unsharded or self.unshard_pending
-        if not gathered and self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
-            return False
-        if self._gathered_from == self._shard_version():
-            return False
-        self.reshard()  # raises if the unsharded parameters were changed too
-        return True
-
-    def _shard_version(self) -> tuple[int, int]:
-        """Identifies the values of the shards: the flat shard's identity and the sum of the
-        version counters of it and of every sharded parameter (each counter only grows, so
-        the sum changes with any of them). The parameters' own counters are needed: an
-        optimizer updates each ``DTensor`` in place, which bumps the wrapper's counter
-        but not that of the local tensor (written below autograd) or of the flat shard."""
-        flat = self.flat_shard
-        return id(flat), flat._version + sum(p.sharded_param._version for p in self.params)
-
     @_outside_functorch
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
@@ -747,9 +693,13 @@ class ParamGroup(GradientReduction):
         """Register the sharded parameters again and free the unsharded buffer. With
         ``post_forward`` and an int ``reshard_after_forward``, first keep this rank's
         share for the smaller backward all-gather (one fused copy)."""
+        self.release_from_graph()
         if self._all_gather is not None:
             self.wait_for_unshard()  # a collective cannot be cancelled: drain it
         if not self.is_unsharded:
+            if self.kept_for_graph:  # parked: its storage outlived the graph's hold
+                self.kept_for_graph = False
+                self._free_unsharded()
             if not post_forward:
                 self._post_forward_shard = self._post_forward_ready = None
                 self.sharded_state = ShardedState.SHARDED
@@ -773,34 +723,6 @@ class ParamGroup(GradientReduction):
         self.sharded_state = (
             ShardedState.SHARDED_POST_FORWARD if keep_partial else ShardedState.SHARDED
         )
-
-    def unsharded_modified(self) -> bool:
-        """Whether the unsharded parameters were changed in place since they were filled."""
-        version = self._unsharded_version
-        return (
-            version is not None
-            and self.is_unsharded
-            and self._require_unsharded_flat()._version != version
-        )
-
-    @_outside_functorch
-    def write_back_unsharded(self) -> None:
-        """Copy in-place changes of the unsharded parameters into this rank's shards; see
-        [Note: in-place changes to unsharded parameters] in ``_param``."""
-        if not self.unsharded_modified():
-            return
-        if self._gathered_from is not None and self._gathered_from != self._shard_version():
-            raise RuntimeError(
-                f"fully_shard: {self.where}: its unsharded parameters were changed in place "
-                f"and its shards were updated (optimizer.step()) since they were gathered; "
-                f"one of the two changes would be lost. Run backward before the optimizer "
-                f"step (the end of backward writes such changes back), reshard() before "
-                f"stepping, or change the sharded parameters instead."
-            )
-        for p, target in zip(self._gather_params, self._copy_out_targets, strict=True):
-            p.write_back(target[self.shard_rank])
-        self._unsharded_version = self._require_unsharded_flat()._version
-        self._gathered_from = self._shard_version()
 
     def _alloc_unsharded(self) -> None:
         flat = self._require_unsharded_flat()

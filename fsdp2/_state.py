@@ -93,9 +93,19 @@ class TreeContext:
         # States whose backward for one forward call ended while another call's is still to
         # come; the next other state's pre-backward finishes them (see ``post_backward``).
         self.parked: list[FSDPState] = []
+        # This backward runs with ``create_graph=True``; see [Note: backward that builds a
+        # graph] in ``_unsharded_upkeep``.
+        self.building_graph = False
         # False until the root's first forward: a tree that ``unshard()`` on a submodule
         # created is taken over by the outermost root at its first forward.
         self.started = False
+
+    def queue_final_callback(self) -> None:
+        """Have the root's final callback run at the end of the backward under way."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            self.in_backward = True
+            Variable._execution_engine.queue_callback(self.root._finish_backward)
 
 
 # [Note: per-parameter meshes]
@@ -364,7 +374,10 @@ class FSDPState:
             logger.debug("FSDP::post_forward (%s)", self.fqn)
             if self.reshard_after_forward:
                 for group in self.groups:
-                    group.reshard(post_forward=True)
+                    if group.held_by_graph:
+                        group.park_for_graph()
+                    else:
+                        group.reshard(post_forward=True)
         self.training_state = TrainingState.IDLE
         if not grad_enabled:
             return output
@@ -560,10 +573,7 @@ class FSDPState:
         tree = self.tree
         if tree is None:
             raise AssertionError("pre-backward before lazy init")
-        if not tree.callback_queued:
-            tree.callback_queued = True
-            tree.in_backward = True
-            Variable._execution_engine.queue_callback(tree.root._finish_backward)
+        tree.queue_final_callback()
         self._open_claims += claims
         if tree.parked:
             for state in tree.parked:
@@ -576,6 +586,8 @@ class FSDPState:
         if self.groups:
             logger.debug("FSDP::pre_backward (%s)", self.fqn)
             self._unshard_and_wait()
+            if torch.is_grad_enabled():  # autograd's grad mode is create_graph here
+                self._hold_for_graph()
         self._prefetch_for_backward()
         # A buffer the prefetch did not take would sit idle through this block's
         # backward, where memory peaks: see [Note: host buffer pool].
@@ -617,6 +629,8 @@ class FSDPState:
         and nothing would report it; the final callback reduces the group.
         """
         self._open_claims = max(0, self._open_claims - 1)
+        if self._held_by_graph():
+            return  # the final callback reduces, once every use of the parameters is done
         if self._pending_backward_calls > 1:
             self._pending_backward_calls -= 1
             tree = self.tree
@@ -632,6 +646,20 @@ class FSDPState:
         self._reduce_and_reshard()
         self._post_backward_done = True
 
+    def _held_by_graph(self) -> bool:
+        return any(group.held_by_graph for group in self.groups)
+
+    def _hold_for_graph(self) -> None:
+        """This state's gathered groups are saved by the graph a backward is building."""
+        tree = self.tree
+        if tree is None:
+            raise AssertionError("backward before lazy init")
+        tree.building_graph = True
+        for group in self.groups:
+            if group.is_unsharded or group.unshard_pending:
+                group.hold_for_graph(tree.queue_final_callback)
+
+    @torch.no_grad()  # in a create_graph backward, grad mode is on: record nothing
     def _reduce_and_reshard(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         if self.groups:
@@ -642,12 +670,29 @@ class FSDPState:
             # Reshard first: the gradients are separate tensors, so the unsharded
             # parameters can be freed before the reduce-scatter input is allocated.
             if group.reshard_after_backward:
-                group.reshard()
+                if group.held_by_graph:
+                    group.park_for_graph()
+                else:
+                    group.reshard()
             if group.requires_gradient_sync:
                 group.reduce_grads()
             else:
                 group.accumulate_unsynced()
         self.training_state = TrainingState.IDLE
+
+    def _finish_held(self, release: bool) -> None:
+        """Final callback for a state held for a graph (see [Note: backward that builds a
+        graph] in ``_unsharded_upkeep``): reduce what this backward accumulated; after a
+        backward without create_graph, release the groups and free them."""
+        self._pending_backward_calls = 0
+        if release:
+            for group in self.groups:
+                group.release_from_graph()
+        self._reduce_and_reshard()
+        if release:
+            for group in self.groups:
+                if group.kept_for_graph:  # parked: free it even if it stays unsharded
+                    group.reshard()
 
     @_run_eagerly
     def _finish_backward(self) -> None:
@@ -656,11 +701,19 @@ class FSDPState:
         if tree is None:
             raise AssertionError("final callback before lazy init")
         logger.debug("FSDP::root_post_backward")
+        if tree.building_graph:
+            # Groups gathered without their pre-backward firing (kept unsharded since
+            # forward, used by another module) may be saved by the new graph too.
+            for state in tree.states:
+                if state._gathered():
+                    state._hold_for_graph()
         for state in tree.states:
             # Forwards whose backward has not started keep their claims for a later one.
             later = [f for f in state._unopened_forwards if not f.opened and f.live > 0]
             gathered = state._gathered()
-            if state._reduced_early and not state._post_backward_done:
+            if state._held_by_graph():
+                state._finish_held(release=not tree.building_graph)
+            elif state._reduced_early and not state._post_backward_done:
                 state._pending_backward_calls = 0  # as if reduced here, which it was
                 state._reshard_after_backward()
             elif (
@@ -711,12 +764,17 @@ class FSDPState:
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
+        tree.building_graph = False
 
     def _reshard_after_backward(self) -> None:
         """Free the gathered groups that reshard after backward."""
         for group in self.groups:
-            if group.reshard_after_backward and (group.is_unsharded or group.unshard_pending):
-                group.reshard()
+            gathered = group.is_unsharded or group.unshard_pending
+            if group.reshard_after_backward and gathered:
+                if group.held_by_graph:
+                    group.park_for_graph()
+                else:
+                    group.reshard()
 
     def reduce_unsynced_grads(self) -> None:
         """Outside any backward: reduce-scatter the gradients that backwards without
@@ -814,6 +872,7 @@ class FSDPState:
         tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
+        tree.building_graph = False
 
 
 class _TorchStateContext:

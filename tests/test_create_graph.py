@@ -1,0 +1,192 @@
+"""Backwards that build a graph (``create_graph=True``): gradient penalties, second
+derivatives, ``backward(create_graph=True)`` (see [Note: backward that builds a graph] in
+``fsdp2/_state.py``).
+
+The graph of such a backward saves the unsharded parameters; torch's ``fully_shard``
+frees them at the end of that backward and the next backward fails ("setStorage ... out
+of bounds for storage of size 0"). fsdp2 keeps them until a backward without
+``create_graph`` ends. Every loss here is a mean of per-sample terms, so the mean of the
+ranks' losses on their local batches is the non-sharded model's loss on the global batch,
+and the sharded model must train like it.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _launcher import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsdp2
+
+LOCAL_BATCH = 3
+
+
+def _model(activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    """Tanh: smooth, second derivatives are not zero. Identity (a linear model): the
+    graph of ``grad(model(x).sum(), x)`` holds the weights alone, so a backward of the
+    penalty alone reaches them through no module output, so no fsdp2 pre-backward hook."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 7), activation(), nn.Linear(7, 3), activation(), nn.Linear(3, 9),
+        activation(), nn.Linear(9, 4),
+    )  # fmt: skip
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_(True)
+
+
+def _input_grad(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (grad,) = torch.autograd.grad(out, x, create_graph=True)
+    return grad
+
+
+def _loss(model: nn.Module, x: torch.Tensor, scenario: str) -> torch.Tensor:
+    """One per-sample-mean loss of ``scenario``; backward is the caller's."""
+    if scenario == "penalty":  # R1 / gradient-norm penalty on the inputs
+        x = _leaf(x)
+        y = model(x)
+        grad = _input_grad(y.pow(2).sum(), x)
+        return y.pow(2).sum(1).mean() + grad.pow(2).sum(1).mean()
+    if scenario == "penalty-alone":  # StyleGAN2's lazy R1 step: the penalty on its own
+        x = _leaf(x)
+        grad = _input_grad(model(x).sum(), x)  # its graph holds the weights only
+        return grad.pow(2).sum(1).mean()
+    if scenario == "penalty-between-forwards":  # WGAN-GP's order: D(real), penalty, D(fake)
+        real = model(x)
+        mixed = _leaf(0.5 * x)
+        grad = _input_grad(model(mixed).sum(), mixed)
+        fake = model(x + 1.0)
+        penalty = (grad.norm(dim=1) - 1.0).pow(2).mean()
+        return fake.sum(1).mean() - real.sum(1).mean() + penalty
+    if scenario == "second-derivative":  # a physics-informed residual u'' + u
+        x = _leaf(x)
+        u = model(x)[:, 0]
+        du = _input_grad(u.sum(), x)
+        d2u = _input_grad(du[:, 0].sum(), x)
+        return (d2u[:, 0] + u).pow(2).mean() + du.pow(2).sum(1).mean()
+    raise ValueError(scenario)
+
+
+def _train(scenario: str, reshard: bool, hsdp: bool) -> float:
+    """Three AdamW steps of the sharded and the non-sharded model; returns the largest
+    difference in gradients and parameters."""
+    warnings.simplefilter("ignore")  # backward(create_graph=True)'s reference-cycle warning
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = (
+        init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("rep", "shard")) if hsdp else None
+    )
+    reference = _model(nn.Identity if scenario == "penalty-alone" else nn.Tanh)
+    model = copy.deepcopy(reference)
+    for block in (model[0], model[2], model[4]):
+        fsdp2.fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fsdp2.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    worst = 0.0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        batch = torch.randn(world * LOCAL_BATCH, 5, generator=gen)
+        local = batch.chunk(world)[rank]
+        if scenario == "backward-create-graph":  # grads keep a graph (Hessian-vector use)
+            model(local).pow(2).sum(1).mean().backward(create_graph=True)
+            reference(batch).pow(2).sum(1).mean().backward(create_graph=True)
+        elif scenario == "accumulation":  # two microbatches, the first without sync
+            halves = local.chunk(2), batch.view(world, LOCAL_BATCH, 5).chunk(2, dim=1)
+            for i in range(2):
+                model.set_requires_gradient_sync(i == 1)
+                (_loss(model, halves[0][i], "penalty") / 2).backward()
+                (_loss(reference, halves[1][i].reshape(-1, 5), "penalty") / 2).backward()
+        else:
+            _loss(model, local, scenario).backward()
+            _loss(reference, batch, scenario).backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), "a gradient is missing"
+            if q.grad is None:  # the penalty alone does not depend on the biases
+                continue
+            worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
+        for opt in (optim, ref_optim):
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+    gathered = [g for s in _states(model) for g in s.groups if g.is_unsharded]
+    if scenario != "backward-create-graph" and reshard:
+        assert not gathered, "a group held by the graph was not freed after backward"
+    return worst
+
+
+def _states(model: nn.Module) -> list:
+    return [m._fsdp_state for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["penalty", "penalty-alone", "penalty-between-forwards", "second-derivative",
+     "backward-create-graph", "accumulation"],
+)  # fmt: skip
+@pytest.mark.parametrize("reshard", [True, False])
+def test_backward_that_builds_a_graph_trains_like_the_non_sharded_model(
+    scenario: str, reshard: bool
+) -> None:
+    for worst in run_ranks(_train, 3, scenario, reshard, False):
+        assert worst <= 1e-5
+
+
+def test_gradient_penalty_with_hsdp() -> None:
+    for worst in run_ranks(_train, 4, "penalty", True, True):
+        assert worst <= 1e-5
+
+
+def _phases_of_a_penalty_step() -> list[tuple[bool, bool, dict[str, int]]]:
+    """After each phase of a penalty step (forward, the create_graph backward, the plain
+    backward): whether the blocks' unsharded storage is allocated, whether the modules
+    hold the sharded ``DTensor`` parameters, and the collectives the phase issued."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _model()
+    for block in (model[0], model[2], model[4]):
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model, reshard_after_forward=True)
+    blocks = [g for s in _states(model) for g in s.groups]
+    x = _leaf(torch.randn(LOCAL_BATCH, 5))
+    phases = []
+
+    def record(mode: CommDebugMode) -> None:
+        kept = all(g.unsharded_flat.untyped_storage().size() > 0 for g in blocks)
+        sharded = all(isinstance(p, DTensor) for p in model.parameters())
+        counts = {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
+        phases.append((kept, sharded, counts))
+
+    for _ in range(2):
+        # (CommDebugMode's module tracker hooks the forward's leaf input, which
+        # autograd.grad then refuses: the forward is not counted.)
+        y = model(x)
+        record(CommDebugMode())
+        with CommDebugMode() as mode:
+            grad = _input_grad(y.sum(), x)
+        record(mode)
+        with CommDebugMode() as mode:
+            (y.sum() + grad.pow(2).sum()).backward()
+        record(mode)
+    return phases
+
+
+def test_the_graph_keeps_the_gathered_parameters_until_the_next_backward_ends() -> None:
+    groups = 4
+    forward = (False, True, {})
+    # The create_graph backward gathers every group again and keeps the storage (the
+    # modules show the sharded parameters); its reduce-scatters carry no gradient (it
+    # took gradients of the inputs only), as without create_graph.
+    graph_building = (True, True, {"_allgather_base_": groups, "_reduce_scatter_base_": groups})
+    # The next backward reuses the kept parameters (no all-gather) and frees them.
+    plain = (False, True, {"_reduce_scatter_base_": groups})
+    for phases in run_ranks(_phases_of_a_penalty_step, 2):
+        assert phases == [forward, graph_building, plain] * 2
