@@ -173,6 +173,7 @@ MODULE_CHAIN = [
     "_fully_shard",
     "_init",
     "_state",
+    "_backward_hooks",
     "_backward_nodes",
     "_module_io",
     "_rank_agreement",

@@ -1,6 +1,6 @@
 """Backwards that build a graph (``create_graph=True``): gradient penalties, second
 derivatives, ``backward(create_graph=True)`` (see [Note: backward that builds a graph] in
-``fsdp2/_state.py``).
+``fsdp2/_unsharded_upkeep.py``).
 
 The graph of such a backward saves the unsharded parameters; torch's ``fully_shard``
 frees them at the end of that backward and the next backward fails ("setStorage ... out
