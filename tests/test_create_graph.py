@@ -21,6 +21,7 @@ import torch.distributed as dist
 from _launcher import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
 import fsdp2
 
@@ -94,7 +95,10 @@ def _train(scenario: str, reshard: bool, hsdp: bool) -> float:
         gen = torch.Generator().manual_seed(step)
         batch = torch.randn(world * LOCAL_BATCH, 5, generator=gen)
         local = batch.chunk(world)[rank]
-        if scenario == "backward-create-graph":  # grads keep a graph (Hessian-vector use)
+        if scenario == "backward-create-graph":
+            # Gradients with a graph, then a step. Nothing backpropagates through that
+            # graph (torch's fully_shard trains here too): this checks the held groups'
+            # bookkeeping, reduced by the final callback, gathered again after the step.
             model(local).pow(2).sum(1).mean().backward(create_graph=True)
             reference(batch).pow(2).sum(1).mean().backward(create_graph=True)
         elif scenario == "accumulation":  # two microbatches, the first without sync
@@ -190,3 +194,52 @@ def test_the_graph_keeps_the_gathered_parameters_until_the_next_backward_ends() 
     plain = (False, True, {"_reduce_scatter_base_": groups})
     for phases in run_ranks(_phases_of_a_penalty_step, 2):
         assert phases == [forward, graph_building, plain] * 2
+
+
+class _CheckpointedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: torch.tanh(self.lin(t)), x, use_reentrant=False)
+
+
+def _penalty_with(variant: str) -> float:
+    """Three AdamW steps of an input-gradient penalty with ``variant``; returns the largest
+    parameter difference to the non-sharded model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if variant == "checkpoint":  # recomputed in both backwards
+        reference = nn.Sequential(*(_CheckpointedBlock() for _ in range(3)), nn.Linear(6, 2))
+    else:
+        reference = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)))
+    model = copy.deepcopy(reference)
+    kwargs: dict = {}
+    if variant == "cpu-offload":
+        kwargs["offload_policy"] = fsdp2.CPUOffloadPolicy(pin_memory=False)
+    for block in model[:3]:
+        block_kwargs = {"reshard_after_forward": 2} if variant == "reshard-to-2" else {}
+        fsdp2.fully_shard(block, **kwargs, **block_kwargs)
+    fsdp2.fully_shard(model, **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    worst = 0.0
+    for step in range(3):
+        batch = torch.randn(world * 2, 6, generator=torch.Generator().manual_seed(step))
+        for m, x, opt in ((model, batch.chunk(world)[rank], optim), (reference, batch, ref_optim)):
+            _loss(m, x, "penalty").backward()
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize(
+    "variant, world_size",
+    [("checkpoint", 2), ("cpu-offload", 2), ("reshard-to-2", 4), ("plain", 1)],
+)
+def test_gradient_penalty_with(variant: str, world_size: int) -> None:
+    for worst in run_ranks(_penalty_with, world_size, variant):
+        assert worst <= 1e-5
