@@ -995,3 +995,41 @@ def test_frozen_float8_param_beside_trainable(impl: str) -> None:
     for grad, first in run_ranks(rank_frozen_float8_beside_trainable, 2, impl):
         assert grad == [2.0] * 16
         assert first == (0 + 1 + 2 + 3) / 16 + 16  # row 0 of the weight, plus the table's sum
+
+
+def rank_grad_scaler(impl: str) -> tuple[list[float], list[torch.Tensor]]:
+    """fp16 compute with ``torch.amp.GradScaler``, ``unscale_`` and clipping; step 1 feeds
+    an inf on rank 0 only. Returns the scale after each step and the full parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    mp = api(impl, "MixedPrecisionPolicy")(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    get_fully_shard(impl)(model[0], mp_policy=mp)
+    get_fully_shard(impl)(model, mp_policy=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    scales = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).chunk(ws)[rank]
+        if step == 1 and rank == 0:
+            x = x * float("inf")
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, [p.full_tensor() for p in model.parameters()]
+
+
+def test_grad_scaler_with_fp16_equals_torch() -> None:
+    """The gradient shards are ``DTensor``s: ``GradScaler`` unscales and checks them, and an
+    inf on one rank reaches every rank through the reduction, so all skip that step."""
+    for impl in IMPLS:
+        require_impl(impl)
+    ours, theirs = (run_ranks(rank_grad_scaler, 2, impl) for impl in IMPLS)
+    for (scales, params), (torch_scales, torch_params) in zip(ours, theirs, strict=True):
+        assert scales == torch_scales == [256.0, 128.0, 128.0]
+        for p, q in zip(params, torch_params, strict=True):
+            assert torch.equal(p, q)
