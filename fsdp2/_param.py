@@ -555,7 +555,9 @@ class ShardedParam:
                 f"fully_shard: parameter '{self.fqn}' was replaced by a {type(current).__name__} "
                 f"of shape {tuple(current.shape)}; a sharded module needs DTensor shards there. "
                 f"Load a sharded state dict (e.g. another sharded model's state_dict(), or "
-                f"distribute_tensor(full, mesh, placements)), or load without assign=True."
+                f"distribute_tensor(full, mesh, placements)), or load without assign=True. "
+                f"torch.func.functional_call swaps in such tensors too: call it on a "
+                f"non-sharded copy of the module."
             )
         if (
             current.shape != self.global_shape

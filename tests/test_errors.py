@@ -105,6 +105,11 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         # raises; code that sets up the model before its first step sees no difference.
         model(x)
 
+    def functional_call_with_full_tensors() -> None:
+        model = _sharded_root()
+        full = {name: torch.zeros(p.shape) for name, p in model.named_parameters()}
+        torch.func.functional_call(model, full, (x,))
+
     def zero_dim_param() -> None:
         fsdp2.fully_shard(WithScalar(), mesh=_mesh())
 
@@ -323,6 +328,12 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"DTensor parameters \('lin\.weight' \(Block\), 'lin\.bias' \(Block\), "
         r"'lin\.weight' \(Block\) and 1 more\)\. It was created before fully_shard.*"
         r"Create the optimizer after fully_shard",
+    ),
+    "functional_call_with_full_tensors": (
+        "ValueError",
+        r"^fully_shard: parameter '.*' was replaced by a Tensor of shape .*"
+        r"torch\.func\.functional_call swaps in such tensors too: call it on a non-sharded "
+        r"copy of the module\.$",
     ),
     "replaced_params_added_to_optimizer_later": (
         "RuntimeError",
