@@ -36,6 +36,7 @@ from fsdp2._comm_context import finish_all_reductions
 from fsdp2._param import UnevenShardError, Use
 from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
 from fsdp2._state import fsdp_state_of
+from fsdp2._unsharded_upkeep import release_graph_holds
 
 # Parameters already managed by some group -> that group's label; shared across groups is
 # an error (their gradient would be reduced twice and their values diverge).
@@ -393,6 +394,7 @@ def mark_replaced(originals: Iterable[tuple[nn.Parameter, str]], label: str) -> 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     finish_all_reductions()  # left in flight by set_is_last_backward(False)
+    release_graph_holds()  # see [Note: backward that builds a graph]
     groups = len(optimizer.param_groups)
     if _optimizers_checked.get(optimizer) == groups:
         return

@@ -52,12 +52,16 @@ second ("setStorage ... out of bounds for storage of size 0"). So:
   penalty backpropagated on its own), a hook on each held unsharded parameter makes sure
   the final callback is queued.
 - The end of a backward without ``create_graph`` releases the hold and frees the storage;
-  so does an explicit ``reshard()``. The cost: the groups such a backward gathered stay
-  in memory until then, which the graph needs anyway.
+  so do an explicit ``reshard()`` and an optimizer step (a graph saved before the step
+  computes with the old weights, which a non-sharded model's graph refuses too). The
+  cost: the groups such a backward gathered stay in memory until then, which the graph
+  needs anyway. ``backward(create_graph=True)`` whose graph nobody uses pays it too,
+  until the step: hooks cannot tell whether a graph will be used.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -65,6 +69,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fsdp2._param import ShardedParam
+
+# Groups held for a graph, for ``release_graph_holds`` (the optimizer step pre-hook).
+_HELD: weakref.WeakSet[UnshardedUpkeep] = weakref.WeakSet()
+
+
+def release_graph_holds() -> None:
+    """Release every group held for a graph and free the storage of the parked ones (an
+    optimizer step is about to change the shards the graphs were computed from)."""
+    for group in list(_HELD):
+        if group.kept_for_graph:
+            group.reshard()  # releases, and frees the kept storage
+        else:
+            group.release_from_graph()  # unsharded: freed by its next reshard
 
 
 class ShardedState(Enum):
@@ -168,6 +185,7 @@ class UnshardedUpkeep:
         if self.held_by_graph:
             return
         self.held_by_graph = True
+        _HELD.add(self)
         for p in self.params:
             unsharded = p.unsharded_param
             if unsharded is not None and unsharded.requires_grad:
@@ -176,6 +194,7 @@ class UnshardedUpkeep:
     def release_from_graph(self) -> None:
         """End the hold; the storage is freed by the reshard that follows."""
         self.held_by_graph = False
+        _HELD.discard(self)
         for handle in self._hold_hooks:
             handle.remove()
         self._hold_hooks.clear()

@@ -243,3 +243,24 @@ def _penalty_with(variant: str) -> float:
 def test_gradient_penalty_with(variant: str, world_size: int) -> None:
     for worst in run_ranks(_penalty_with, world_size, variant):
         assert worst <= 1e-5
+
+
+def _storage_after_backward_and_step() -> list[bool]:
+    """``backward(create_graph=True)`` whose graph nobody uses: whether the blocks' storage
+    is allocated after the backward and after the optimizer step."""
+    warnings.simplefilter("ignore")  # backward(create_graph=True)'s reference-cycle warning
+    model = _model()
+    for block in (model[0], model[2], model[4]):
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    blocks = [g for s in _states(model)[1:] for g in s.groups]
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(LOCAL_BATCH, 5)).sum().backward(create_graph=True)
+    seen = [all(g.unsharded_flat.untyped_storage().size() > 0 for g in blocks)]
+    optim.step()
+    seen.append(any(g.unsharded_flat.untyped_storage().size() > 0 for g in blocks))
+    return seen
+
+
+def test_an_optimizer_step_frees_what_a_graph_held() -> None:
+    assert run_ranks(_storage_after_backward_and_step, 2) == [[True, False]] * 2
