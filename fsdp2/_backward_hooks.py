@@ -222,7 +222,7 @@ class BackwardHooks:
         tree.building_graph = True
         for group in self.groups:
             if group.is_unsharded or group.unshard_pending:
-                group.hold_for_graph(tree.queue_final_callback)
+                group.hold_for_graph(tree)
 
     @torch.no_grad()  # in a create_graph backward, grad mode is on: record nothing
     def _reduce_and_reshard(self) -> None:

@@ -98,7 +98,7 @@ from fsdp2._stream_utils import (
     wait_event,
     wait_stream,
 )
-from fsdp2._unsharded_upkeep import ShardedState, UnshardedUpkeep
+from fsdp2._unsharded_upkeep import GraphHoldOwner, ShardedState, UnshardedUpkeep
 
 
 def _outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -197,6 +197,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         # graph] in ``_unsharded_upkeep``.
         self.held_by_graph = False
         self.kept_for_graph = False
+        self.hold_owner: GraphHoldOwner | None = None
         self._hold_hooks: list[Any] = []
         self._all_gather: AllGatherInFlight | None = None
         self._extension_mesh: DeviceMesh | None = None  # the shard mesh the hooks see

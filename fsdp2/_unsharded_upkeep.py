@@ -64,7 +64,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -76,12 +76,25 @@ _HELD: weakref.WeakSet[UnshardedUpkeep] = weakref.WeakSet()
 
 def release_graph_holds() -> None:
     """Release every group held for a graph and free the storage of the parked ones (an
-    optimizer step is about to change the shards the graphs were computed from)."""
+    optimizer step is about to change the shards the graphs were computed from). Not
+    during a backward of the group's tree (an optimizer stepping in gradient hooks): that
+    backward may still run through the graph."""
     for group in list(_HELD):
+        owner = group.hold_owner
+        if owner is not None and owner.in_backward:
+            continue
         if group.kept_for_graph:
             group.reshard()  # releases, and frees the kept storage
         else:
             group.release_from_graph()  # unsharded: freed by its next reshard
+
+
+class GraphHoldOwner(Protocol):
+    """What a hold needs of the tree it belongs to (``TreeContext``)."""
+
+    in_backward: bool
+
+    def queue_final_callback(self) -> None: ...
 
 
 class ShardedState(Enum):
@@ -106,6 +119,7 @@ class UnshardedUpkeep:
     _copy_out_targets: list[torch.Tensor]
     # See [Note: backward that builds a graph].
     held_by_graph: bool
+    hold_owner: GraphHoldOwner | None
     kept_for_graph: bool  # parked: sharded parameters registered, storage kept
     _hold_hooks: list[Any]
 
@@ -178,22 +192,25 @@ class UnshardedUpkeep:
         self._gathered_from = self._shard_version()
 
     # -- unsharded parameters a graph saved ------------------------------------------------
-    def hold_for_graph(self, on_use: Callable[[], None]) -> None:
-        """Keep the unsharded storage for the graph a create_graph backward is building;
-        ``on_use`` runs whenever a later backward reaches a held parameter (it queues the
-        final callback that reduces this group)."""
+    def hold_for_graph(self, owner: GraphHoldOwner) -> None:
+        """Keep the unsharded storage for the graph a create_graph backward is building.
+        Whenever a later backward reaches a held parameter, the owner's final callback is
+        queued (it reduces this group)."""
         if self.held_by_graph:
             return
         self.held_by_graph = True
+        self.hold_owner = owner
         _HELD.add(self)
         for p in self.params:
             unsharded = p.unsharded_param
             if unsharded is not None and unsharded.requires_grad:
-                self._hold_hooks.append(unsharded.register_hook(lambda _grad: on_use()))
+                hook = unsharded.register_hook(lambda _grad: owner.queue_final_callback())
+                self._hold_hooks.append(hook)
 
     def release_from_graph(self) -> None:
         """End the hold; the storage is freed by the reshard that follows."""
         self.held_by_graph = False
+        self.hold_owner = None
         _HELD.discard(self)
         for handle in self._hold_hooks:
             handle.remove()
