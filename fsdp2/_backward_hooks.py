@@ -245,19 +245,11 @@ class BackwardHooks:
                 group.accumulate_unsynced()
         self.training_state = TrainingState.IDLE
 
-    def _finish_held(self, release: bool) -> None:
+    def _finish_held(self) -> None:
         """Final callback for a state held for a graph (see [Note: backward that builds a
-        graph] in ``_unsharded_upkeep``): reduce what this backward accumulated; after a
-        backward without create_graph, release the groups and free them."""
+        graph] in ``_unsharded_upkeep``): reduce what this backward accumulated, park."""
         self._pending_backward_calls = 0
-        if release:
-            for group in self.groups:
-                group.release_from_graph()
         self._reduce_and_reshard()
-        if release:
-            for group in self.groups:
-                if group.kept_for_graph:  # parked: free it even if it stays unsharded
-                    group.reshard()
 
     @run_eagerly
     def _finish_backward(self) -> None:
@@ -277,7 +269,7 @@ class BackwardHooks:
             later = [f for f in state._unopened_forwards if not f.opened and f.live > 0]
             gathered = state._gathered()
             if state._held_by_graph():
-                state._finish_held(release=not tree.building_graph)
+                state._finish_held()
             elif state._reduced_early and not state._post_backward_done:
                 state._pending_backward_calls = 0  # as if reduced here, which it was
                 state._reshard_after_backward()

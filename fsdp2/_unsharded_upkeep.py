@@ -51,12 +51,15 @@ second ("setStorage ... out of bounds for storage of size 0"). So:
   node ran. For a backward that only reaches the parameters through such a graph (an R1
   penalty backpropagated on its own), a hook on each held unsharded parameter makes sure
   the final callback is queued.
-- The end of a backward without ``create_graph`` releases the hold and frees the storage;
-  so do an explicit ``reshard()`` and an optimizer step (a graph saved before the step
-  computes with the old weights, which a non-sharded model's graph refuses too). The
-  cost: the groups such a backward gathered stay in memory until then, which the graph
-  needs anyway. ``backward(create_graph=True)`` whose graph nobody uses pays it too,
-  until the step: hooks cannot tell whether a graph will be used.
+- An optimizer step (its pre-hook) releases the holds and frees the parked storage: a
+  graph saved before the step would compute with the old weights, which a non-sharded
+  model's graph refuses too. So does an explicit ``reshard()``, and shards updated
+  otherwise (by hand, or by an optimizer stepping in gradient hooks) end the hold at the
+  next gather. The end of a backward does not: with two penalized forwards and one
+  backward per loss, the second backward still runs through its own graph. The cost:
+  the groups such a backward gathered stay in memory until the step, which the graphs
+  need anyway; ``backward(create_graph=True)`` whose graph nobody uses pays it too, as
+  hooks cannot tell whether a graph will be used.
 """
 
 from __future__ import annotations
@@ -236,6 +239,9 @@ class UnshardedUpkeep:
             return False
         self.kept_for_graph = False
         if self._gathered_from != self._shard_version():
+            # Updated without an optimizer step's pre-hook (by hand, or by an optimizer
+            # in backward hooks): the graphs are stale, end the hold.
+            self.release_from_graph()
             return False
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:

@@ -25,7 +25,8 @@ minimize a failure):
   discarded, before the step's forward or after its backward, just before
   ``optimizer.step()``), ``two_fwd`` (without ``accum``: two microbatches forwarded, then
   one backward per loss, ``"in_order"`` or ``"reversed"``); these two from seed
-  ``EXTENDED_FROM`` (3000) on.
+  ``EXTENDED_FROM`` (3000) on; ``penalty`` (from seed ``PENALTY_FROM``, 8000: an
+  input-gradient penalty taken with ``create_graph=True`` and added to an MSE loss).
 
 From seed ``SHARDING_FROM`` (4000) on (the keys below are absent from earlier cases, which
 stay exactly as they were): world sizes 2, 3 or 4 (4 half the time), sizes divisible by 2
@@ -151,6 +152,9 @@ EXTENSIONS_FROM = 7000
 # From this seed on, some cases (without extensions) build the model on the meta device,
 # shard it and load the weights with ``load_state_dict(assign=True)`` (``meta_load``).
 META_LOAD_FROM = 7500
+# From this seed on, half the cases with an MSE loss add an input-gradient penalty
+# (``penalty``): ``autograd.grad(..., create_graph=True)``, then backward through it.
+PENALTY_FROM = 8000
 
 # Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
 # ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
@@ -522,6 +526,9 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         case["ext_pad"] = ext_rng.random() < 0.7
     if seed >= META_LOAD_FROM:
         case["meta_load"] = random.Random(seed * 49979687 + 83).random() < 0.35
+    if seed >= PENALTY_FROM:
+        case["penalty"] = loss == "mse" and random.Random(seed * 86028121 + 97).random() < 0.5
+        case["input_requires_grad"] = case["input_requires_grad"] or case["penalty"]
     case.update(overrides)
     model = Root(case["spec"])
     if "plan" not in overrides:
@@ -829,7 +836,7 @@ def describe(case: dict) -> str:
     keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
     keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
-    keys += ["ext_pad", "meta_load"]
+    keys += ["ext_pad", "meta_load", "penalty"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
     listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops", "ext")
     lines += [f"{k}={case[k]!r}" for k in listed if k in case]
@@ -861,6 +868,7 @@ def features(case: dict) -> set[str]:
     out |= {"hsdp"} if case.get("mesh") else set()
     out |= {"ext_pad" if case["ext_pad"] else "ext_unpadded"} if case.get("ext") else set()
     out |= {"meta_load"} if _meta_load(case) else set()
+    out |= {"penalty"} if case.get("penalty") else set()
     if case["accum"] and case.get("accum_mode", "gradient_sync") != "gradient_sync":
         out.add(f"accum_{case['accum_mode']}")
     dims = [d for dims in case.get("shard_dims") or [] if dims for d in dims.values()]
@@ -935,6 +943,17 @@ def _loss(case: dict, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if case["loss"] == "ce":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     return F.mse_loss(out, y)
+
+
+def _input_gradient_penalty(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """0.1 times the mean over rows of the squared gradient of that row's squared error
+    with respect to its input: a sum of per-row terms (rows do not mix in these models),
+    so the ranks' mean is the reference's value on the whole batch."""
+    if not out.requires_grad:
+        return 0.0
+    squared_error = (out.float() - y).pow(2).sum()
+    (grad,) = torch.autograd.grad(squared_error, x, create_graph=True, allow_unused=True)
+    return 0.0 if grad is None else 0.1 * grad.float().pow(2).sum() / x.shape[0]
 
 
 def _optimizer(case: dict, model: nn.Module) -> torch.optim.Optimizer:
@@ -1113,7 +1132,10 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
                     model.set_requires_gradient_sync(last)
                 if mode in ("all_reduce", "both"):
                     model.set_requires_all_reduce(last)
-            loss = _loss(case, model(x), y)
+            out = model(x)
+            loss = _loss(case, out, y)
+            if case.get("penalty"):
+                loss = loss + _input_gradient_penalty(out, x, y)
             if not case["two_fwd"] and loss.requires_grad:  # all may be frozen or skipped
                 loss.backward()
             losses.append(loss)

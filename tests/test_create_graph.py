@@ -107,6 +107,11 @@ def _train(scenario: str, reshard: bool, hsdp: bool) -> float:
                 model.set_requires_gradient_sync(i == 1)
                 (_loss(model, halves[0][i], "penalty") / 2).backward()
                 (_loss(reference, halves[1][i].reshape(-1, 5), "penalty") / 2).backward()
+        elif scenario == "two-forwards-then-backwards":  # each loss's graph kept to its own
+            for m, x in ((model, local), (reference, batch)):
+                first, second = _loss(m, x, "penalty"), _loss(m, x.flip(0), "penalty")
+                (first / 2).backward()
+                (second / 2).backward()
         else:
             _loss(model, local, scenario).backward()
             _loss(reference, batch, scenario).backward()
@@ -133,7 +138,7 @@ def _states(model: nn.Module) -> list:
 @pytest.mark.parametrize(
     "scenario",
     ["penalty", "penalty-alone", "penalty-between-forwards", "second-derivative",
-     "backward-create-graph", "accumulation"],
+     "backward-create-graph", "accumulation", "two-forwards-then-backwards"],
 )  # fmt: skip
 @pytest.mark.parametrize("reshard", [True, False])
 def test_backward_that_builds_a_graph_trains_like_the_non_sharded_model(
@@ -148,10 +153,11 @@ def test_gradient_penalty_with_hsdp() -> None:
         assert worst <= 1e-5
 
 
-def _phases_of_a_penalty_step() -> list[tuple[bool, bool, dict[str, int]]]:
+def _phases_of_a_penalty_step() -> list[tuple[bool | None, bool, dict[str, int]]]:
     """After each phase of a penalty step (forward, the create_graph backward, the plain
-    backward): whether the blocks' unsharded storage is allocated, whether the modules
-    hold the sharded ``DTensor`` parameters, and the collectives the phase issued."""
+    backward, the optimizer step): whether the groups' unsharded storage is allocated
+    (True: all, False: none, None: some), whether the modules hold the sharded
+    ``DTensor`` parameters, and the collectives the phase issued."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -159,12 +165,14 @@ def _phases_of_a_penalty_step() -> list[tuple[bool, bool, dict[str, int]]]:
     for block in (model[0], model[2], model[4]):
         fsdp2.fully_shard(block)
     fsdp2.fully_shard(model, reshard_after_forward=True)
-    blocks = [g for s in _states(model) for g in s.groups]
+    groups = [g for s in _states(model) for g in s.groups]
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
     x = _leaf(torch.randn(LOCAL_BATCH, 5))
     phases = []
 
     def record(mode: CommDebugMode) -> None:
-        kept = all(g.unsharded_flat.untyped_storage().size() > 0 for g in blocks)
+        allocated = {g.unsharded_flat.untyped_storage().size() > 0 for g in groups}
+        kept = allocated.pop() if len(allocated) == 1 else None
         sharded = all(isinstance(p, DTensor) for p in model.parameters())
         counts = {str(op).rsplit(".", 1)[-1]: n for op, n in mode.get_comm_counts().items()}
         phases.append((kept, sharded, counts))
@@ -180,20 +188,25 @@ def _phases_of_a_penalty_step() -> list[tuple[bool, bool, dict[str, int]]]:
         with CommDebugMode() as mode:
             (y.sum() + grad.pow(2).sum()).backward()
         record(mode)
+        with CommDebugMode() as mode:
+            optim.step()
+            optim.zero_grad()
+        record(mode)
     return phases
 
 
-def test_the_graph_keeps_the_gathered_parameters_until_the_next_backward_ends() -> None:
+def test_the_graph_keeps_the_gathered_parameters_until_the_optimizer_step() -> None:
     groups = 4
     forward = (False, True, {})
     # The create_graph backward gathers every group again and keeps the storage (the
     # modules show the sharded parameters); its reduce-scatters carry no gradient (it
     # took gradients of the inputs only), as without create_graph.
     graph_building = (True, True, {"_allgather_base_": groups, "_reduce_scatter_base_": groups})
-    # The next backward reuses the kept parameters (no all-gather) and frees them.
-    plain = (False, True, {"_reduce_scatter_base_": groups})
+    # The next backward reuses the kept parameters (no all-gather); the step frees them.
+    plain = (True, True, {"_reduce_scatter_base_": groups})
+    step = (False, True, {})
     for phases in run_ranks(_phases_of_a_penalty_step, 2):
-        assert phases == [forward, graph_building, plain] * 2
+        assert phases == [forward, graph_building, plain, step] * 2
 
 
 class _CheckpointedBlock(nn.Module):
