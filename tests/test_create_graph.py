@@ -277,3 +277,35 @@ def _storage_after_backward_and_step() -> list[bool]:
 
 def test_an_optimizer_step_frees_what_a_graph_held() -> None:
     assert run_ranks(_storage_after_backward_and_step, 2) == [[True, False]] * 2
+
+
+def _updated_by_hand() -> tuple[float, bool]:
+    """Penalty steps with a by-hand SGD update (no optimizer, so no step pre-hook): the
+    largest parameter difference to the non-sharded model, and whether the blocks'
+    storage is allocated after a forward that follows the last update."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _model()
+    model = copy.deepcopy(reference)
+    for block in (model[0], model[2], model[4]):
+        fsdp2.fully_shard(block)
+    fsdp2.fully_shard(model)
+    worst = 0.0
+    for step in range(3):
+        batch = torch.randn(world * 2, 5, generator=torch.Generator().manual_seed(step))
+        for m, x in ((model, batch.chunk(world)[rank]), (reference, batch)):
+            _loss(m, x, "penalty").backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+    model(torch.randn(2, 5))  # the shards changed: the hold ends, the blocks reshard
+    blocks = [g for s in _states(model)[1:] for g in s.groups]
+    return worst, any(g.unsharded_flat.untyped_storage().size() > 0 for g in blocks)
+
+
+def test_shards_updated_by_hand_end_the_hold() -> None:
+    for worst, allocated in run_ranks(_updated_by_hand, 2):
+        assert worst <= 1e-5
+        assert not allocated
