@@ -325,6 +325,26 @@ def test_seed_where_torch_is_off_the_reference(seed: int) -> None:
     assert not problems, "\n".join([describe(case), *problems[:15]])
 
 
+# Seeds with an input-gradient penalty (``_fuzz.PENALTY_FROM``): torch's ``fully_shard``
+# fails on them (it frees the unsharded weights the penalty's graph saved; see
+# docs/gradient_penalties.md), so only fsdp2 vs the reference is checked. 8002: HSDP,
+# accumulation, extensions, ``shard_placement_fn``; 8005: ``reshard_after_forward=2``, a
+# module called twice, padded extensions; 8008: bf16, accumulation, per-parameter meshes,
+# a block skipped on odd steps; 8021 and 8037: two penalized forwards, then one backward
+# per loss (reversed, and in order with experts); 8062: checkpointing on HSDP.
+PENALTY_SEEDS = [8002, 8005, 8008, 8021, 8037, 8062]
+
+
+@pytest.mark.parametrize("seed", PENALTY_SEEDS)
+def test_seed_with_a_gradient_penalty(seed: int) -> None:
+    require_impl("fsdp2")
+    case = gen_case(seed)
+    assert case["penalty"]
+    per_rank = run_ranks(run_impls, case["ws"], case, ("fsdp2",), timeout=120)
+    problems = compare_reference([r["fsdp2"] for r in per_rank], run_reference(case), case)
+    assert not problems, "\n".join([describe(case), *problems[:15]])
+
+
 # A group whose module is called twice per forward, chained, with two forwards before their
 # backwards (one per loss): in the second backward the outer call's post-backward ran before
 # the inner call's gradient was accumulated (both uses of the parameter are summed before
