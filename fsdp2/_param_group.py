@@ -71,7 +71,6 @@ there are no gaps.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -98,24 +97,12 @@ from fsdp2._stream_utils import (
     wait_event,
     wait_stream,
 )
-from fsdp2._unsharded_upkeep import GraphHoldOwner, ShardedState, UnshardedUpkeep
-
-
-def _outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with ``torch.func`` transforms (jvp, vmap, grad) switched off when one is
-    active. Unsharding and resharding allocate and fill plain buffers that belong to no
-    transform level, but a module's forward, and so its first all-gather and lazy init, can
-    run inside one (``torch.func.jvp(lambda t: model(x), ...)``): tensors created there
-    would be functorch wrappers, whose storage cannot be resized or aliased."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
-            with torch._C._DisableFuncTorch():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return wrapper
+from fsdp2._unsharded_upkeep import (
+    GraphHoldOwner,
+    ShardedState,
+    UnshardedUpkeep,
+    outside_functorch,
+)
 
 
 class AllGatherInFlight(NamedTuple):
@@ -316,7 +303,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             flat = flat.pin_memory()  # lets host-to-device copies run asynchronously
         return flat
 
-    @_outside_functorch
+    @outside_functorch
     def lazy_init(self, comm: CommContext, module_names: Mapping[int, str] | None = None) -> None:
         """Bind to the tree's communication context and build the unsharded buffer.
         ``module_names``: module id -> name under the root, for error messages."""
@@ -503,7 +490,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         return changed
 
     # -- unshard / reshard -----------------------------------------------------------------
-    @_outside_functorch
+    @outside_functorch
     def unshard(self, *, after_compute: bool = False) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
         already in flight). Call ``wait_for_unshard`` before using the parameters.
@@ -638,7 +625,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
 
-    @_outside_functorch
+    @outside_functorch
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
         them on the modules."""
@@ -689,7 +676,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 unsharded.requires_grad_(p.sharded_param.requires_grad)
             p.register(unsharded)
 
-    @_outside_functorch
+    @outside_functorch
     def reshard(self, *, post_forward: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer. With
         ``post_forward`` and an int ``reshard_after_forward``, first keep this rank's

@@ -64,6 +64,7 @@ second ("setStorage ... out of bounds for storage of size 0"). So:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from enum import Enum, auto
@@ -72,6 +73,24 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from fsdp2._param import ShardedParam
+
+
+def outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with ``torch.func`` transforms (jvp, vmap, grad) switched off when one is
+    active. Unsharding and resharding allocate and fill plain buffers that belong to no
+    transform level, but a module's forward, and so its first all-gather and lazy init, can
+    run inside one (``torch.func.jvp(lambda t: model(x), ...)``): tensors created there
+    would be functorch wrappers, whose storage cannot be resized or aliased."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            with torch._C._DisableFuncTorch():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
 
 # Groups held for a graph, for ``release_graph_holds`` (the optimizer step pre-hook).
 _HELD: weakref.WeakSet[UnshardedUpkeep] = weakref.WeakSet()
@@ -176,6 +195,7 @@ class UnshardedUpkeep:
             and self._require_unsharded_flat()._version != version
         )
 
+    @outside_functorch
     def write_back_unsharded(self) -> None:
         """Copy in-place changes of the unsharded parameters into this rank's shards; see
         [Note: in-place changes to unsharded parameters] in ``_param``."""
