@@ -5,9 +5,9 @@ derivatives, ``backward(create_graph=True)`` (see [Note: backward that builds a 
 The graph of such a backward saves the unsharded parameters; torch's ``fully_shard``
 frees them at the end of that backward and the next backward fails ("setStorage ... out
 of bounds for storage of size 0"). fsdp2 keeps them until the optimizer step. Every loss
-here is a mean of per-sample terms, so the mean of the
-ranks' losses on their local batches is the non-sharded model's loss on the global batch,
-and the sharded model must train like it.
+here is a mean of per-sample terms, so the mean of the ranks' losses on their local
+batches is the non-sharded model's loss on the global batch, and the sharded model must
+train like it.
 """
 
 from __future__ import annotations
