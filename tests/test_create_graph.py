@@ -310,3 +310,62 @@ def test_shards_updated_by_hand_end_the_hold() -> None:
     for worst, allocated in run_ranks(_updated_by_hand, 2):
         assert worst <= 1e-5
         assert not allocated
+
+
+class _ForceField(nn.Module):
+    """A machine-learned potential: an energy per sample, and forces ``-dE/dx`` taken with
+    ``autograd.grad`` inside the root's forward (with a graph while training), as
+    conservative force fields do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.detach().requires_grad_(True)
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        energy = self.head(h).squeeze(-1)
+        (grad,) = torch.autograd.grad(energy.sum(), x, create_graph=self.training)
+        return energy, -grad
+
+
+def _force_field(reshard: bool) -> float:
+    """Three AdamW steps on energies and forces, then an eval forward (forces without a
+    graph); the largest difference to the non-sharded model."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = _ForceField()
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        fsdp2.fully_shard(block, reshard_after_forward=reshard)
+    fsdp2.fully_shard(model, reshard_after_forward=reshard)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_optim = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    worst = 0.0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, e, f = (torch.randn(world * 2, *s, generator=gen) for s in ((6,), (), (6,)))
+        rows = slice(2 * rank, 2 * rank + 2)
+        for m, opt, r in ((model, optim, rows), (reference, ref_optim, slice(None))):
+            energy, forces = m(x[r])
+            loss = (energy - e[r]).pow(2).mean() + (forces - f[r]).pow(2).sum(1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+    model.eval()
+    reference.eval()
+    x = torch.randn(2, 6)
+    for a, b in zip(model(x), reference(x), strict=True):
+        worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_forces_taken_inside_forward(reshard: bool) -> None:
+    for worst in run_ranks(_force_field, 2, reshard):
+        assert worst <= 1e-5
