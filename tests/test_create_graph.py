@@ -369,3 +369,29 @@ def _force_field(reshard: bool) -> float:
 def test_forces_taken_inside_forward(reshard: bool) -> None:
     for worst in run_ranks(_force_field, 2, reshard):
         assert worst <= 1e-5
+
+
+def _held_after_a_plain_backward(reentrant: bool) -> list[bool]:
+    """Checkpointing recomputes forwards with grad enabled, inside backward: whether any
+    group is held for a graph after a plain backward through checkpointed blocks."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=reentrant)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Checkpointed() for _ in range(3)), nn.Linear(6, 2))
+    for wrapper in model[:3]:
+        fsdp2.fully_shard(wrapper.block)
+    fsdp2.fully_shard(model)
+    model(torch.randn(4, 6, requires_grad=True)).sum().backward()
+    return [g.held_by_graph or g.kept_for_graph for s in _states(model) for g in s.groups]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_recomputation_holds_nothing(reentrant: bool) -> None:
+    assert run_ranks(_held_after_a_plain_backward, 2, reentrant) == [[False] * 4] * 2
