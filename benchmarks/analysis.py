@@ -112,6 +112,8 @@ def summarize(
             inst = r0["instrumented"]
             res["comm"] = inst["comm"]
             res["probe"] = inst["probe"]
+            # --no-memory: the probe counted copies and collectives only; no memory rows.
+            tracked = inst["probe"].get("memory_tracked", True)
             mem = {
                 "peak_bytes": inst["probe"]["peak_bytes"],
                 "peak_bytes_max_rank": max(
@@ -129,7 +131,8 @@ def summarize(
             for k in ("cuda_peak_bytes", "cuda_step_growth_bytes"):
                 if k in inst:
                     mem[k] = inst[k]
-            res["memory"] = mem
+            if tracked:
+                res["memory"] = mem
             res["copy_bytes"] = inst["probe"]["copy_bytes_total"]
             res["copy_roles"] = inst["probe"]["copy_roles"]
         if "shard_s" in r0:

@@ -692,6 +692,7 @@ class StepProbe(TorchDispatchMode):
     def summary(self) -> dict[str, Any]:
         return {
             "copy_roles": self.copy_roles(),
+            "memory_tracked": self.track_memory,
             "peak_bytes": self.peak,
             "start_bytes": self.start_bytes,
             "peak_phase": self._snapshot_phase,

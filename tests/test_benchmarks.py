@@ -153,6 +153,23 @@ def test_report_renders(runs: dict[str, dict[str, Any]]) -> None:
     assert "## Targets" in md and "## Ratios" in md and "small-many" in md
 
 
+def test_no_memory_reports_no_memory(tmp_path: Path) -> None:
+    """``--no-memory`` skips live-memory tracking: the results carry no memory figures and
+    the table shows "-" (it printed the untracked probe's partial counts as a peak)."""
+    from benchmarks import report
+
+    out = tmp_path / "no_memory.json"
+    argv = ["--quick", "--inprocess", "--config", "small-many", "--fake-world-size", "4"]
+    argv += ["--steps", "1", "--warmup", "0", "--ttfs-repeats", "1", "--layers", "2"]
+    argv += ["--dim", "64", "--seq", "16", "--impls", ",".join(IMPLS), "--no-memory"]
+    assert compare.main([*argv, "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert runs and all("memory" not in res for r in runs for res in r["results"].values())
+    line = next(x for x in report.markdown(json.loads(out.read_text())).splitlines()
+                if x.startswith("| peak live memory"))  # fmt: skip
+    assert line.replace(" ", "").startswith("|peaklivememory(MiB)|-|-|")
+
+
 def test_cuda_mode_fails_clearly_without_gpu() -> None:
     import torch
 
