@@ -501,7 +501,9 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         after ``optimizer.step()``, needs it too, or on an accelerator it could gather
         shards the optimizer has not finished writing.
         """
-        if self.is_unsharded or self._all_gather is not None or self.reuse_kept():
+        if self.is_unsharded or self._all_gather is not None:
+            return
+        if self.kept_for_graph and self.reuse_kept():  # see [Note: backward that builds a graph]
             return
         comm = self._require_comm()
         stream = comm.streams.all_gather

@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import compare_grads, compare_params
 from _launcher import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -115,16 +116,14 @@ def _train(scenario: str, reshard: bool, hsdp: bool) -> float:
         else:
             _loss(model, local, scenario).backward()
             _loss(reference, batch, scenario).backward()
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            assert (p.grad is None) == (q.grad is None), "a gradient is missing"
-            if q.grad is None:  # the penalty alone does not depend on the biases
-                continue
-            worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
+        # (The penalty alone does not depend on the biases: no gradient on either side.)
+        _, grad_diff, missing = compare_grads(reference, model)
+        assert not missing, missing
+        worst = max(worst, grad_diff)
         for opt in (optim, ref_optim):
             opt.step()
             opt.zero_grad()
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+        worst = max(worst, compare_params(reference, model)[1])
     if reshard:  # every group resharded, its storage freed by the last step
         allocated = [g for s in _states(model) for g in s.groups
                      if g.unsharded_flat.untyped_storage().size() > 0]  # fmt: skip
@@ -245,8 +244,7 @@ def _penalty_with(variant: str) -> float:
             _loss(m, x, "penalty").backward()
             opt.step()
             opt.zero_grad()
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+        worst = max(worst, compare_params(reference, model)[1])
     return worst
 
 
@@ -299,8 +297,7 @@ def _updated_by_hand() -> tuple[float, bool]:
                 for p in m.parameters():
                     p -= 0.1 * p.grad
                     p.grad = None
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+        worst = max(worst, compare_params(reference, model)[1])
     model(torch.randn(2, 5))  # the shards changed: the hold ends, the blocks reshard
     blocks = [g for s in _states(model)[1:] for g in s.groups]
     return worst, any(g.unsharded_flat.untyped_storage().size() > 0 for g in blocks)
@@ -355,8 +352,7 @@ def _force_field(reshard: bool) -> float:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-            worst = max(worst, (p.full_tensor() - q.detach()).abs().max().item())
+        worst = max(worst, compare_params(reference, model)[1])
     model.eval()
     reference.eval()
     x = torch.randn(2, 6)

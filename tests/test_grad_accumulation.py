@@ -48,7 +48,7 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, require_impl
+from _helpers import IMPLS, compare_grads, require_impl
 from _launcher import run_ranks
 
 N_MICRO = 3
@@ -257,12 +257,8 @@ def rank_group_unused_by_the_synced_microbatch(impl: str, mode: str) -> float:
         model(batches[micro, rank], use_aux).backward()
         for r in range(ws):
             (reference(batches[micro, r], use_aux) / ws).backward()
-    worst = 0.0
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        if p.grad is None:
-            return float("inf")
-        worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
-    return worst
+    _, worst, missing = compare_grads(reference, model)
+    return float("inf") if missing else worst
 
 
 @pytest.mark.parametrize(
@@ -348,12 +344,8 @@ def rank_partial_sums_reduced_by_reduce_unsynced_grads() -> float:
             (reference(batches[micro, r]).sum() / ws).backward()
     model.set_requires_all_reduce(True)
     model._fsdp_state.reduce_unsynced_grads()
-    worst = 0.0
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        if p.grad is None:
-            return float("inf")
-        worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item())
-    return worst
+    _, worst, missing = compare_grads(reference, model)
+    return float("inf") if missing else worst
 
 
 def test_reduce_unsynced_grads_all_reduces_partial_sums() -> None:
