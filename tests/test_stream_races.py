@@ -119,6 +119,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "grads-kept-and-clipped": {"keep_grads": True, "clip": True},
     "three-reductions-in-flight": {"max_reduces": 3},
     "custom-collectives": {"custom": True},
+    "optimizer-in-backward": {"optimizer_in_backward": True},
+    "teacher-sharing-the-comm-context": {"teacher": "shared"},
+    "teacher-with-its-own-streams": {"teacher": "separate"},
     "extensions": {"extensions": True},
     "extensions-to-2-of-4": {"extensions": True, "reshard_after_forward": 2, "world_size": 4},
 }
@@ -176,14 +179,29 @@ def rank_sanitized_training(case: dict[str, Any]) -> dict[str, Any]:
     if case.get("extensions"):
         for block in model.blocks:
             block.lin.weight = nn.Parameter(Gathered(block.lin.weight.detach()))
+    teacher: Any = Net() if case.get("teacher") else None
     with stream_sanitizer() as sanitizer:
         _shard(model, case)
         _configure(model, case, sanitizer)
+        if teacher is not None:  # a second root (distillation, EMA) run before each step
+            _shard(teacher, {})
+            if case["teacher"] == "shared":
+                fsdp2.share_comm_ctx([model, teacher])
+        if case.get("optimizer_in_backward"):
+            # One optimizer per parameter, stepped as soon as its reduced gradient lands.
+            for param in model.parameters():
+                one = torch.optim.AdamW([param], lr=0.1)
+                param.register_post_accumulate_grad_hook(
+                    lambda _, one=one: (one.step(), one.zero_grad())
+                )
         optim = torch.optim.AdamW(model.parameters(), lr=0.1)
         microbatches = 2 if case.get("accumulate") else 1
         for step in range(3):
             if case.get("explicit"):
                 model.blocks[0].unshard(async_op=True).wait()
+            if teacher is not None:
+                with torch.no_grad():
+                    teacher(torch.randn(4, DIM))
             for micro in range(microbatches):
                 last = micro == microbatches - 1
                 if case.get("accumulate") == "gradient_sync":
