@@ -88,6 +88,11 @@ To fuzz a range of seeds (a few hundred take a few minutes on 2 cores)::
 
     python tests/_fuzz.py 0 300          # one line per seed that is not "ok"
     python tests/_fuzz.py 486 487 -v     # a case, its spec and every difference
+    python tests/_fuzz.py 0 300 --streams  # fsdp2 only, under the stream-race checker
+
+With ``--streams`` each case trains fsdp2 alone inside ``_stream_sanitizer``'s stand-in
+streams (``run_sanitized``), and a seed is reported when its accelerator stream ordering
+has a race (see ``tests/test_stream_races.py``); numbers are not compared.
 """
 
 from __future__ import annotations
@@ -1201,6 +1206,15 @@ def run_impls(case: dict, impls: tuple[str, ...] = ("fsdp2", "torch")) -> dict[s
     return records
 
 
+def run_sanitized(case: dict) -> list[str]:
+    """Rank function: train fsdp2 alone on stand-in streams; the races found."""
+    from _stream_sanitizer import stream_sanitizer
+
+    with stream_sanitizer() as sanitizer:
+        run_impls(case, ("fsdp2",))
+    return sanitizer.races
+
+
 def _meta_load(case: dict) -> bool:
     """Whether ``case`` is built through ``_meta_loaded``. Not with extensions, and not with
     the ``perm`` mesh (its ranks in another order, on the default process group): both
@@ -1427,6 +1441,16 @@ def classify(out: dict[str, Any], case: dict | None = None) -> str:
     return "ok"
 
 
+def _sanitized_races(case: dict) -> list[str]:
+    from _launcher import RankError, run_ranks
+
+    try:
+        reports = run_ranks(run_sanitized, case["ws"], case, timeout=120.0)
+    except RankError as error:
+        return [f"fsdp2 failed under the stand-in streams: {str(error)[:2000]}"]
+    return [race for report in reports for race in report]
+
+
 def main(argv: list[str]) -> None:
     import os
 
@@ -1441,6 +1465,13 @@ def main(argv: list[str]) -> None:
     try:
         for seed in range(start, stop):
             case = gen_case(seed)
+            if "--streams" in argv:
+                races = _sanitized_races(case)
+                kind = "races" if races else "ok"
+                counts[kind] = counts.get(kind, 0) + 1
+                if races or verbose:
+                    print(f"seed {seed}: {len(races)} race(s)", *races[:3], sep="\n  ")
+                continue
             out = check(case)
             kind = classify(out, case)
             counts[kind] = counts.get(kind, 0) + 1
