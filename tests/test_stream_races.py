@@ -122,6 +122,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "optimizer-in-backward": {"optimizer_in_backward": True},
     "teacher-sharing-the-comm-context": {"teacher": "shared"},
     "teacher-with-its-own-streams": {"teacher": "separate"},
+    "step-on-a-user-stream": {"user_stream": 1},
+    "first-step-on-a-user-stream": {"user_stream": 0, "reshard_after_forward": False},
+    "user-stream-hsdp-accumulation": {
+        "user_stream": 2,
+        "hsdp": True,
+        "world_size": 4,
+        "accumulate": "all_reduce",
+    },
     "extensions": {"extensions": True},
     "extensions-to-2-of-4": {"extensions": True, "reshard_after_forward": 2, "world_size": 4},
 }
@@ -195,33 +203,54 @@ def rank_sanitized_training(case: dict[str, Any]) -> dict[str, Any]:
                     lambda _, one=one: (one.step(), one.zero_grad())
                 )
         optim = torch.optim.AdamW(model.parameters(), lr=0.1)
-        microbatches = 2 if case.get("accumulate") else 1
         for step in range(3):
-            if case.get("explicit"):
-                model.blocks[0].unshard(async_op=True).wait()
-            if teacher is not None:
-                with torch.no_grad():
-                    teacher(torch.randn(4, DIM))
-            for micro in range(microbatches):
-                last = micro == microbatches - 1
-                if case.get("accumulate") == "gradient_sync":
-                    model.set_requires_gradient_sync(last)
-                elif case.get("accumulate") == "all_reduce":
-                    model.set_requires_all_reduce(last)
-                _loss(model, case, step).backward()
-            if case.get("clip"):
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            optim.zero_grad(set_to_none=not case.get("keep_grads"))
-            if case.get("post_optim_event"):
-                model.set_post_optim_event(sanitizer.compute.record_event())
-            if case.get("explicit"):  # right after the step: must wait for the optimizer
-                model.blocks[1].unshard()
-                model.blocks[2].unshard(async_op=True)
-            if case.get("eval"):
-                with torch.no_grad():
-                    model(torch.randn(2, DIM))
+            with _user_stream(sanitizer, case.get("user_stream") == step):
+                _step(model, teacher, optim, case, sanitizer, step)
     return {"races": sanitizer.races, "by_stream": sanitizer.ops_by_stream}
+
+
+@contextlib.contextmanager
+def _user_stream(sanitizer: Any, enter: bool) -> Iterator[None]:
+    """A whole step on a stream of the user's, entered and left the documented way (as
+    CUDA graph warm-up does): the side stream waits for the current one first, and the
+    current one waits for it after."""
+    if not enter:
+        yield
+        return
+    outer = sanitizer.current
+    side = sanitizer.module.Stream()
+    side.wait_stream(outer)
+    with sanitizer.module.stream(side):
+        yield
+    outer.wait_stream(side)
+
+
+def _step(model: Any, teacher: Any, optim: Any, case: dict, sanitizer: Any, step: int) -> None:
+    microbatches = 2 if case.get("accumulate") else 1
+    if case.get("explicit"):
+        model.blocks[0].unshard(async_op=True).wait()
+    if teacher is not None:
+        with torch.no_grad():
+            teacher(torch.randn(4, DIM))
+    for micro in range(microbatches):
+        last = micro == microbatches - 1
+        if case.get("accumulate") == "gradient_sync":
+            model.set_requires_gradient_sync(last)
+        elif case.get("accumulate") == "all_reduce":
+            model.set_requires_all_reduce(last)
+        _loss(model, case, step).backward()
+    if case.get("clip"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    optim.zero_grad(set_to_none=not case.get("keep_grads"))
+    if case.get("post_optim_event"):
+        model.set_post_optim_event(sanitizer.current.record_event())
+    if case.get("explicit"):  # right after the step: must wait for the optimizer
+        model.blocks[1].unshard()
+        model.blocks[2].unshard(async_op=True)
+    if case.get("eval"):
+        with torch.no_grad():
+            model(torch.randn(2, DIM))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
