@@ -122,6 +122,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "optimizer-in-backward": {"optimizer_in_backward": True},
     "teacher-sharing-the-comm-context": {"teacher": "shared"},
     "teacher-with-its-own-streams": {"teacher": "separate"},
+    "state-dicts-after-eval": {"eval": True, "state_dicts": True, "reshard_after_forward": False},
     "step-on-a-user-stream": {"user_stream": 1},
     "first-step-on-a-user-stream": {"user_stream": 0, "reshard_after_forward": False},
     "user-stream-hsdp-accumulation": {
@@ -251,6 +252,10 @@ def _step(model: Any, teacher: Any, optim: Any, case: dict, sanitizer: Any, step
     if case.get("eval"):
         with torch.no_grad():
             model(torch.randn(2, DIM))
+    if case.get("state_dicts") and step == 1:  # loaded back before the last step
+        saved = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        model.load_state_dict(saved)
+        fsdp2.load_full_state_dict(model, fsdp2.get_full_state_dict(model))
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
