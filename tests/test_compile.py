@@ -1,7 +1,8 @@
 """``torch.compile`` of sharded blocks: the FSDP hooks stay out of the graph (they resize
 storages and copy into aliased views, which AOTAutograd rejects), so compiling a block
-before or after ``fully_shard`` trains exactly like eager. Compile time dominates these
-tests (~10 s per rank), so there are two of them."""
+before or after ``fully_shard``, or the whole sharded model (``torch.compile(model)``,
+whose graph breaks at the root's hooks), trains exactly like eager. Compile time dominates
+these tests (~10 s per rank), so there are three of them."""
 
 from __future__ import annotations
 
@@ -23,19 +24,22 @@ def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
 
 
-def rank_compiled_blocks(impl: str, compile_first: bool) -> dict:
+def rank_compiled_blocks(impl: str, mode: str) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
     fully_shard = get_fully_shard(impl)
     ref = _mlp()
     model = copy.deepcopy(ref)
     for block in (model[0], model[2], model[3]):
-        if compile_first:
+        if mode == "compile-then-shard":
             block.compile(backend="aot_eager")
             fully_shard(block)
         else:
             fully_shard(block)
-            block.compile(backend="aot_eager")
+            if mode == "shard-then-compile":
+                block.compile(backend="aot_eager")
     fully_shard(model)
+    if mode == "compiled-root":  # the whole sharded model: its hooks break the graph
+        model = torch.compile(model, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -56,11 +60,9 @@ def rank_compiled_blocks(impl: str, compile_first: bool) -> dict:
     return {"max_diff": max(diffs)}
 
 
-@pytest.mark.parametrize(
-    "compile_first", [False, True], ids=["shard-then-compile", "compile-then-shard"]
-)
-def test_compiled_blocks_match_non_sharded(compile_first: bool) -> None:
+@pytest.mark.parametrize("mode", ["shard-then-compile", "compile-then-shard", "compiled-root"])
+def test_compiled_blocks_match_non_sharded(mode: str) -> None:
     require_impl("fsdp2")
-    reports = run_ranks(rank_compiled_blocks, WORLD_SIZE, "fsdp2", compile_first, timeout=300)
+    reports = run_ranks(rank_compiled_blocks, WORLD_SIZE, "fsdp2", mode, timeout=300)
     for rank, rep in enumerate(reports):
         assert rep["max_diff"] <= 1e-5, (rank, rep)
