@@ -26,6 +26,13 @@ buffer may be freed) never runs in CI. ``stream_sanitizer()`` makes it run:
 
 The check is conservative about reuse (any freed block of the pool could serve any
 allocation), and exact about operator order, which is deterministic on one rank.
+
+What it does not see: the host side of CPU offload (on CUDA, a pinned shard's
+host-to-device copy runs asynchronously while the CPU goes on; here host and device are
+one), work a backend does outside the dispatcher (NCCL's own buffers), and the autograd
+engine's own stream switching (it runs each backward op on its forward op's stream; here
+every op runs on the stream current in Python, which is the same as long as forward
+runs on one stream per step, as in every scenario of ``tests/test_stream_races.py``).
 """
 
 from __future__ import annotations
