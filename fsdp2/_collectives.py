@@ -30,6 +30,7 @@ class PendingCollective(NamedTuple):
 
     work: Any  # dist.Work or None
     event: Event
+    what: str = ""  # e.g. "all-gather of blocks.0 (Block)": named if the collective fails
 
 
 def wait(pending: PendingCollective | None, consumer: Stream) -> None:
@@ -37,17 +38,42 @@ def wait(pending: PendingCollective | None, consumer: Stream) -> None:
     if pending is None:
         return
     if pending.work is not None:
-        pending.work.wait()
+        try:
+            pending.work.wait()
+        except RuntimeError as error:
+            name_failed_collective(error, pending.what)
+            raise
     wait_event(consumer, pending.event)
 
 
-def _issue(stream: Stream, call: Any, *args: Any, **kwargs: Any) -> PendingCollective:
-    if stream is None:
-        work = call(*args, async_op=True, **kwargs)
-        return PendingCollective(work, None)
-    with use_stream(stream):
-        call(*args, async_op=False, **kwargs)
-        return PendingCollective(None, record_event(stream))
+def name_failed_collective(error: BaseException, what: str) -> None:
+    """Add to a backend's error (a timeout, a peer gone, a size mismatch: messages that
+    name no module) which of fsdp2's collectives this rank was in, and the usual cause. A
+    note rather than a new exception keeps the backend's class (``DistBackendError``),
+    which launchers and user code may catch. Python 3.10 has no notes: nothing added."""
+    add_note = getattr(error, "add_note", None)
+    if add_note is None or not what:
+        return
+    add_note(
+        f"fsdp2: this rank was in the {what} when the collective failed. A peer that "
+        "stopped, or that issued another collective, is the usual cause: read the other "
+        "ranks' errors first. If ranks may run different paths through the sharded "
+        "modules (a block skipped on some ranks), TORCH_DISTRIBUTED_DEBUG=DETAIL makes "
+        "fsdp2 name the first difference instead."
+    )
+
+
+def _issue(stream: Stream, what: str, call: Any, *args: Any, **kwargs: Any) -> PendingCollective:
+    try:
+        if stream is None:
+            work = call(*args, async_op=True, **kwargs)
+            return PendingCollective(work, None, what)
+        with use_stream(stream):
+            call(*args, async_op=False, **kwargs)
+            return PendingCollective(None, record_event(stream), what)
+    except RuntimeError as error:
+        name_failed_collective(error, what)
+        raise
 
 
 def all_gather_flat(
@@ -56,12 +82,13 @@ def all_gather_flat(
     group: dist.ProcessGroup,
     stream: Stream,
     custom: Any = None,
+    what: str = "all-gather",
 ) -> PendingCollective:
     """Gather every rank's equal-sized 1-D ``input`` into ``output``, rank-major.
     ``custom``: a callable ``(output, input, group, async_op)`` to use instead (torch's
-    ``AllGather``)."""
+    ``AllGather``). ``what``: the collective's name in errors."""
     call = custom or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _issue(stream, call, output, input, group=group)
+    return _issue(stream, what, call, output, input, group=group)
 
 
 def reduce_scatter_flat(
@@ -71,12 +98,13 @@ def reduce_scatter_flat(
     stream: Stream,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     custom: Any = None,
+    what: str = "reduce-scatter",
 ) -> PendingCollective:
     """Sum ``input`` (rank-major, ``world_size * output.numel()``) over ranks, scattering
     chunk ``rank`` into ``output``. ``custom``: a callable ``(output, input, group, op,
-    async_op)`` to use instead (torch's ``ReduceScatter``)."""
+    async_op)`` to use instead (torch's ``ReduceScatter``). ``what``: its name in errors."""
     call = custom or getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _issue(stream, call, output, input, op=op, group=group)
+    return _issue(stream, what, call, output, input, op=op, group=group)
 
 
 def all_reduce_flat(
@@ -84,9 +112,10 @@ def all_reduce_flat(
     group: dist.ProcessGroup,
     stream: Stream,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    what: str = "all-reduce",
 ) -> PendingCollective:
     """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction)."""
-    return _issue(stream, dist.all_reduce, tensor, op=op, group=group)
+    return _issue(stream, what, dist.all_reduce, tensor, op=op, group=group)
 
 
 def min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:

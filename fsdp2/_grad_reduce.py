@@ -265,7 +265,9 @@ class GradientReduction:
             group = self.reduce_scatter_group or self.process_group
             what = f"reduce-scatter of the gradients of {self.where}"
             comm.check_same_collective(what, rs_input.numel(), group)
-            pending = reduce_scatter_flat(rs_output, rs_input, group, stream, custom=custom)
+            pending = reduce_scatter_flat(
+                rs_output, rs_input, group, stream, custom=custom, what=what
+            )
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None
@@ -449,7 +451,7 @@ class GradientReduction:
         wait_stream(stream, comm.streams.compute())
         what = f"all-reduce of the gradients of {self.where}"
         comm.check_same_collective(what, output.numel(), replicate_group)
-        pending = all_reduce_flat(output, replicate_group, stream)
+        pending = all_reduce_flat(output, replicate_group, stream, what=what)
         wait(pending, comm.streams.compute())
         return output, positions
 

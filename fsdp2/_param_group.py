@@ -537,8 +537,9 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                     output.copy_(ag_input, non_blocking=True)
                 pending = PendingCollective(None, record_event(stream))
             else:
-                comm.check_same_collective(f"all-gather of {self.where}", output.numel(), group)
-                pending = all_gather_flat(output, ag_input, group, stream, custom)
+                what = f"all-gather of {self.where}"
+                comm.check_same_collective(what, output.numel(), group)
+                pending = all_gather_flat(output, ag_input, group, stream, custom, what)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
 
     def _all_gather_output(self, in_place: bool) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,3 +174,73 @@ def test_checks_change_nothing_when_ranks_agree(hsdp: bool) -> None:
     for (params, _), (params_checked, _) in zip(plain, checked, strict=True):
         for p, q in zip(params, params_checked, strict=True):
             assert torch.equal(p, q)
+
+
+class _FailingWork:
+    """A ``Work`` whose wait fails as gloo's does when a peer is gone."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        raise dist.DistBackendError("Connection reset by peer (simulated)")
+
+
+@contextlib.contextmanager
+def _failing(name: str, when_issued: bool) -> Iterator[None]:
+    """``torch.distributed.<name>`` fails: when issued (as on an accelerator, where the
+    collective runs synchronously on a side stream) or when waited on (the CPU)."""
+    real = getattr(dist, name)
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        if when_issued:
+            raise dist.DistBackendError("Connection reset by peer (simulated)")
+        return _FailingWork()
+
+    setattr(dist, name, fail)
+    try:
+        yield
+    finally:
+        setattr(dist, name, real)
+
+
+def _failed_collective(name: str, when_issued: bool) -> dict[str, Any]:
+    mesh = None
+    if name == "all_reduce":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh)
+    model(torch.randn(2, 8)).backward()  # lazy init and a first step go through
+    with _failing(name, when_issued):
+        try:
+            model(torch.randn(2, 8)).backward()
+        except RuntimeError as error:
+            return {"type": type(error).__name__, "notes": getattr(error, "__notes__", [])}
+    return {"type": "no error", "notes": []}
+
+
+COLLECTIVE_NAMES = {
+    "all_gather": "all-gather of blocks.0 (Linear)",
+    "reduce_scatter": "reduce-scatter of the gradients of blocks.3 (Linear)",
+    "all_reduce": "all-reduce of the gradients of blocks.3 (Linear)",
+}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+@pytest.mark.parametrize("when_issued", [False, True], ids=["at-wait", "at-issue"])
+@pytest.mark.parametrize("kind", list(COLLECTIVE_NAMES))
+def test_a_failed_collective_names_the_module(kind: str, when_issued: bool) -> None:
+    """A backend error names no module; fsdp2 adds a note naming the collective this rank
+    was in, and keeps the backend's exception class (``DistBackendError``)."""
+    # The functions fsdp2 calls (torch < 2.13 has no all_gather_single).
+    name = {
+        "all_gather": "all_gather_single",
+        "reduce_scatter": "reduce_scatter_single",
+        "all_reduce": "all_reduce",
+    }[kind]
+    if not hasattr(dist, name):
+        name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}[
+            kind
+        ]
+    reports = run_ranks(_failed_collective, 4 if kind == "all_reduce" else 2, name, when_issued)
+    for report in reports:
+        assert report["type"] == "DistBackendError", report
+        (note,) = report["notes"]
+        assert f"this rank was in the {COLLECTIVE_NAMES[kind]} when the collective" in note
+        assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in note
