@@ -102,6 +102,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "accumulation": {"accumulate": "gradient_sync"},
     "accumulation-kept-unsharded": {"accumulate": "gradient_sync", "keep_after_backward": True},
+    "deferred-reduction-as-in-pipelining": {"accumulate": "deferred"},
+    "hsdp-deferred-reduction": {"accumulate": "deferred", "hsdp": True, "world_size": 4},
     "hsdp": {"hsdp": True, "world_size": 4},
     "hsdp-partial-sums": {"hsdp": True, "world_size": 4, "accumulate": "all_reduce"},
     "hsdp-hook-on-a-stream": {"hsdp": True, "world_size": 4, "all_reduce_hook": True},
@@ -239,7 +241,16 @@ def _step(model: Any, teacher: Any, optim: Any, case: dict, sanitizer: Any, step
             model.set_requires_gradient_sync(last)
         elif case.get("accumulate") == "all_reduce":
             model.set_requires_all_reduce(last)
+        elif case.get("accumulate") == "deferred":  # as fsdp2.pipelining's stage does
+            model.set_is_last_backward(False)
+            model.set_reshard_after_backward(False)
+            model.set_requires_gradient_sync(False)
         _loss(model, case, step).backward()
+    if case.get("accumulate") == "deferred":
+        model.set_is_last_backward(True)
+        model.set_reshard_after_backward(True)
+        model.set_requires_gradient_sync(True)
+        model._fsdp_state.reduce_unsynced_grads()
     if case.get("clip"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optim.step()
