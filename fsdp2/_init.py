@@ -17,6 +17,14 @@ looks once per optimizer, and again when its number of parameter groups changes,
 marked parameters; it raises instead of letting the step do nothing. The same hook first
 finishes reductions that backwards under ``set_is_last_backward(False)`` left in flight
 (``finish_all_reductions``): their gradients are assigned only when finished.
+
+The same check catches an optimizer built from ``model.parameters()`` while a group was
+gathered: a forward that leaves its parameters unsharded (an eval or ``no_grad`` forward
+with ``reshard_after_forward=False``, the root's default; or ``unshard()``) keeps the
+unsharded parameters registered on the modules, and fsdp2 frees and refills those, never
+updates them from gradients. torch's ``fully_shard`` lets such an optimizer step without
+effect on the root's parameters (often the embeddings and the output head); fsdp2 raises,
+naming them and the two fixes.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
 from fsdp2._comm_context import finish_all_reductions
-from fsdp2._param import UnevenShardError, Use
+from fsdp2._param import UNSHARDED_ATTR, UnevenShardError, Use
 from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
 from fsdp2._state import fsdp_state_of
 from fsdp2._unsharded_upkeep import release_graph_holds
@@ -399,12 +407,23 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     if _optimizers_checked.get(optimizer) == groups:
         return
     _optimizers_checked[optimizer] = groups
-    replaced = [
-        getattr(p, _REPLACED_ATTR)
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if hasattr(p, _REPLACED_ATTR)
-    ]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    replaced = [getattr(p, _REPLACED_ATTR) for p in params if hasattr(p, _REPLACED_ATTR)]
+    gathered = [f"'{getattr(p, UNSHARDED_ATTR)}'" for p in params if hasattr(p, UNSHARDED_ATTR)]
+    if gathered:
+        shown = ", ".join(gathered[:3]) + (
+            f" and {len(gathered) - 3} more" if len(gathered) > 3 else ""
+        )
+        raise RuntimeError(
+            f"fully_shard: {type(optimizer).__name__} holds {len(gathered)} unsharded "
+            f"parameters of sharded modules ({shown}). It was created from "
+            f"model.parameters() while their groups were gathered: after a forward that "
+            f"left them unsharded (an eval or no_grad forward with "
+            f"reshard_after_forward=False, the root's default) or after unshard(). Those "
+            f"copies are refilled by every all-gather and never updated, so its steps "
+            f"would train nothing there. Create the optimizer before that forward, or call "
+            f"model.reshard() first."
+        )
     if replaced:
         shown = ", ".join(replaced[:3]) + (
             f" and {len(replaced) - 3} more" if len(replaced) > 3 else ""

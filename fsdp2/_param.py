@@ -114,6 +114,10 @@ from fsdp2._extensions import (
 )
 from fsdp2._spmd import SpmdMesh, local_gradient_placements, sharded_layout
 
+# Set on every unsharded parameter (to its fqn): an optimizer built while a group was
+# gathered holds these, and its first step raises (see ``_init._before_optimizer_step``).
+UNSHARDED_ATTR = "_fsdp2_unsharded"
+
 # (module, attribute name): one place a parameter is registered. Tied weights have several.
 Use = tuple[nn.Module, str]
 
@@ -246,6 +250,9 @@ class ShardedParam:
     gather_offset: int  # start of the slot in one all-gather row (that buffer's elements)
     sharded_param: nn.Parameter  # DTensor, Shard(d); local tensor views the flat buffer
     unsharded_param: nn.Parameter | None  # ND view into the group's unsharded buffer
+    # ``requires_grad`` as set on both when the unsharded parameter was last registered;
+    # see [Note: requires_grad changed while gathered] in ``_unsharded_upkeep``.
+    registered_requires_grad: bool
     # Unsynced gradients summed in the reduce dtype (see ParamGroup.accumulate_unsynced).
     accumulated_grad: torch.Tensor | None
 
@@ -330,6 +337,7 @@ class ShardedParam:
         # The group overrides the three offsets when it plans its layout.
         self.offset = self.shard_offset = self.gather_offset = offset
         self.unsharded_param = None
+        self.registered_requires_grad = param.requires_grad
         self.accumulated_grad = None
         # The parameter whose DTensor this one adopted ([Note: weights tied after sharding]).
         self.tied_to: ShardedParam | None = None
@@ -487,6 +495,7 @@ class ShardedParam:
             return
         value = self._with_tp_layout(value)
         self.unsharded_param = nn.Parameter(value, requires_grad=self.sharded_param.requires_grad)
+        setattr(self.unsharded_param, UNSHARDED_ATTR, self.fqn)
 
     def _require_extension(self) -> GatherExtension:
         if self.extension is None:
@@ -597,6 +606,22 @@ class ShardedParam:
         for module, name in self.uses:
             module._parameters[name] = param
 
+    def sync_requires_grad(self) -> None:
+        """Give the sharded and unsharded parameters the same ``requires_grad``: the one
+        changed since the unsharded parameter was registered wins (the module's, when
+        both were); see [Note: requires_grad changed while gathered]."""
+        unsharded, sharded = self.unsharded_param, self.sharded_param
+        if unsharded is None:
+            return
+        wanted = unsharded.requires_grad
+        if wanted == self.registered_requires_grad:  # not changed through the module
+            wanted = sharded.requires_grad
+        if sharded.requires_grad != wanted:
+            sharded.requires_grad_(wanted)
+        if unsharded.requires_grad != wanted:
+            unsharded.requires_grad_(wanted)
+        self.registered_requires_grad = wanted
+
     # -- the unsharded side --------------------------------------------------------------
     def init_unsharded_param(
         self, unsharded_flat: torch.Tensor, dtype: torch.dtype, start: int
@@ -617,6 +642,7 @@ class ShardedParam:
         self.unsharded_param = nn.Parameter(
             unsharded, requires_grad=self.sharded_param.requires_grad
         )
+        setattr(self.unsharded_param, UNSHARDED_ATTR, self.fqn)
         write = unsharded_flat.data[start:stop]
         if self.shard_dim:
             # Rank r's shard is the r-th of ws equal spans within each outer index.

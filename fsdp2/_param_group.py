@@ -675,8 +675,10 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         self._unsharded_version = None if watched is None else watched._version
         for p in self.params:
             unsharded = p.require_unsharded_param()
-            if unsharded.requires_grad != p.sharded_param.requires_grad:
-                unsharded.requires_grad_(p.sharded_param.requires_grad)
+            requires_grad = p.sharded_param.requires_grad
+            if unsharded.requires_grad != requires_grad:
+                unsharded.requires_grad_(requires_grad)
+            p.registered_requires_grad = requires_grad
             p.register(unsharded)
 
     @outside_functorch
@@ -704,6 +706,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             self._post_forward_shard = torch.cat(chunks)
             self._post_forward_ready = record_event(self._require_comm().streams.compute())
         for p in self.params:
+            p.sync_requires_grad()  # a change made through the module while gathered
             p.register(p.sharded_param)
         for p in self.extensions:
             if p.extension is not None:

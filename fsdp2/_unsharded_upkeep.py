@@ -6,7 +6,21 @@ happens to gathered values outside the plain gather-compute-free cycle: shards u
 while the group stayed unsharded ([Note: stale unsharded parameters]), unsharded
 parameters changed in place ([Note: in-place changes to unsharded parameters] in
 ``_param``), and unsharded parameters saved by the graph of a ``create_graph=True``
-backward ([Note: backward that builds a graph]). The group's buffers and layout are
+backward ([Note: requires_grad changed while gathered]
+While a group is unsharded, its modules hold the unsharded parameters, so
+``model.requires_grad_(...)`` (or ``p.requires_grad_()`` over ``model.parameters()``)
+changes those, not the sharded ones the reduce-scatter packs by; code that kept the
+sharded parameters from before (an optimizer's param groups) changes the others. An eval
+forward leaves the root gathered (``reshard_after_forward=False``, the root's default), so
+"evaluate, then unfreeze the layers and train" hit this: the gradients computed through the
+unfrozen unsharded weights were dropped as frozen (torch's ``fully_shard`` fails
+differently, with "element 0 of tensors does not require grad"). Each parameter remembers
+the flag it was registered with; the root's pre-forward (through ``reshard_if_stale``) and
+every reshard give both parameters the value of whichever side changed since (the
+module's, when both did). Cost: one flag comparison per parameter of a gathered group at
+the root's pre-forward and per reshard.
+
+[Note: backward that builds a graph]). The group's buffers and layout are
 ``ParamGroup``'s; this module reads and registers them.
 
 [Note: stale unsharded parameters]
@@ -168,6 +182,9 @@ class UnshardedUpkeep:
         since the unsharded parameters were gathered from them, so the next unshard
         gathers the current values; see [Note: stale unsharded parameters]. Returns
         whether it resharded."""
+        if self.is_unsharded:
+            for p in self.params:  # see [Note: requires_grad changed while gathered]
+                p.sync_requires_grad()
         gathered = self.is_unsharded or self.unshard_pending
         if not gathered and self.sharded_state is not ShardedState.SHARDED_POST_FORWARD:
             return False

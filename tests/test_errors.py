@@ -288,6 +288,17 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         model(x).sum().backward()
         optimizer.step()  # would change nothing the model uses
 
+    def optimizer_from_gathered_parameters() -> None:
+        model = Root()
+        fsdp2.fully_shard(model.a, mesh=_mesh())
+        fsdp2.fully_shard(model.b, mesh=_mesh(), reshard_after_forward=False)
+        fsdp2.fully_shard(model, mesh=_mesh())
+        with torch.no_grad():
+            model(x)  # leaves b's group gathered (as the root's would be by default)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # b's unsharded ones
+        model(x).sum().backward()
+        optimizer.step()  # would leave b's parameters unchanged
+
     def replaced_params_added_to_optimizer_later() -> None:
         model = Root()
         originals = list(model.b.parameters())
@@ -334,6 +345,12 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"^fully_shard: parameter '.*' was replaced by a Tensor of shape .*"
         r"torch\.func\.functional_call swaps in such tensors too: call it on a non-sharded "
         r"copy of the module\.$",
+    ),
+    "optimizer_from_gathered_parameters": (
+        "RuntimeError",
+        r"^fully_shard: SGD holds 2 unsharded parameters of sharded modules \('lin\.weight', "
+        r"'lin\.bias'\)\. It was created from model\.parameters\(\) while their groups were "
+        r"gathered.*call model\.reshard\(\) first\.$",
     ),
     "replaced_params_added_to_optimizer_later": (
         "RuntimeError",

@@ -40,6 +40,8 @@ from _helpers import IMPLS, get_fully_shard, is_dtensor, mlp_and_sharded_copy, r
 from _launcher import run_ranks
 from torch import nn
 
+import fsdp2
+
 
 def _two_forwards_one_backward(impl: str) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -272,3 +274,64 @@ def test_forwards_without_backward_do_not_pile_up() -> None:
     gone drop out at the next forward, so a long grad-enabled loop holds nothing."""
     for counts in run_ranks(_forwards_without_backward, 2, "fsdp2"):
         assert counts and max(counts) <= 1, counts  # at most the last forward's
+
+
+def _requires_grad_changed_after_eval(how: str) -> dict[str, Any]:
+    """Sharded blocks and root, all ``reshard_after_forward=False``; an eval forward leaves
+    every group gathered; then ``requires_grad`` changes and two SGD steps train. The
+    same on a non-sharded copy: gradients (``None`` or not) and parameters must match."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    model = copy.deepcopy(ref)
+    if how.startswith("unfreeze"):
+        model.requires_grad_(False)
+        ref.requires_grad_(False)
+    for block in (model[0], model[1], model):
+        fsdp2.fully_shard(block, reshard_after_forward=False)
+    kept, ref_params = list(model.parameters()), list(ref.parameters())  # the sharded ones
+    opt, ref_opt = torch.optim.SGD(kept, lr=0.1), torch.optim.SGD(ref_params, lr=0.1)
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    if how == "unfreeze-through-module":  # the modules hold the unsharded parameters now
+        model.requires_grad_(True)
+    elif how == "unfreeze-through-kept-references":
+        for p in kept:
+            p.requires_grad_(True)
+    else:  # "freeze-through-module": the first block and the head
+        model[0].requires_grad_(False)
+        model[2].requires_grad_(False)
+    if how.startswith("unfreeze"):
+        ref.requires_grad_(True)
+    else:
+        ref[0].requires_grad_(False)
+        ref[2].requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    has_grad: list[tuple[bool, bool]] = []
+    for _ in range(2):
+        x = torch.randn(2 * ws, 8, generator=gen)
+        model(x[2 * rank : 2 * rank + 2]).square().mean().backward()
+        ref(x).square().mean().backward()
+        has_grad += [(p.grad is not None, q.grad is not None) for p, q in zip(kept, ref_params)]
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    diff = max((p.full_tensor() - q).abs().max().item() for p, q in zip(kept, ref_params))
+    return {"has_grad": has_grad, "diff": diff}
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["unfreeze-through-module", "unfreeze-through-kept-references", "freeze-through-module"],
+)
+def test_requires_grad_changed_while_gathered(how: str) -> None:
+    """While an eval forward leaves the groups gathered, ``model.requires_grad_()`` changes
+    the unsharded parameters the modules hold; the gradients computed through them were
+    dropped as frozen (torch's ``fully_shard`` raises "element 0 of tensors does not
+    require grad"). Either side's change now reaches the other ([Note: requires_grad
+    changed while gathered])."""
+    require_impl("fsdp2")
+    for report in run_ranks(_requires_grad_changed_after_eval, 2, how):
+        assert all(mine == ref for mine, ref in report["has_grad"]), report
+        assert report["diff"] <= TOL, report
