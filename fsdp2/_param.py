@@ -606,6 +606,15 @@ class ShardedParam:
         for module, name in self.uses:
             module._parameters[name] = param
 
+    def register_unsharded(self) -> None:
+        """Register the unsharded parameter, with the sharded one's ``requires_grad``."""
+        unsharded = self.require_unsharded_param()
+        requires_grad = self.sharded_param.requires_grad
+        if unsharded.requires_grad != requires_grad:
+            unsharded.requires_grad_(requires_grad)
+        self.registered_requires_grad = requires_grad
+        self.register(unsharded)
+
     def sync_requires_grad(self) -> None:
         """Give the sharded and unsharded parameters the same ``requires_grad``: the one
         changed since the unsharded parameter was registered wins (the module's, when

@@ -674,12 +674,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         watched = None if self.extensions else self._require_unsharded_flat()
         self._unsharded_version = None if watched is None else watched._version
         for p in self.params:
-            unsharded = p.require_unsharded_param()
-            requires_grad = p.sharded_param.requires_grad
-            if unsharded.requires_grad != requires_grad:
-                unsharded.requires_grad_(requires_grad)
-            p.registered_requires_grad = requires_grad
-            p.register(unsharded)
+            p.register_unsharded()
 
     @outside_functorch
     def reshard(self, *, post_forward: bool = False) -> None:

@@ -264,6 +264,7 @@ class UnshardedUpkeep:
             return
         self.write_back_unsharded()
         for p in self.params:
+            p.sync_requires_grad()  # see [Note: requires_grad changed while gathered]
             p.register(p.sharded_param)
         self.sharded_state = ShardedState.SHARDED
         self.kept_for_graph = True
@@ -282,8 +283,5 @@ class UnshardedUpkeep:
             return False
         self.sharded_state = ShardedState.UNSHARDED
         for p in self.params:
-            unsharded = p.require_unsharded_param()
-            if unsharded.requires_grad != p.sharded_param.requires_grad:
-                unsharded.requires_grad_(p.sharded_param.requires_grad)
-            p.register(unsharded)
+            p.register_unsharded()
         return True
