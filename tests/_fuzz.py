@@ -76,6 +76,11 @@ implementation's model is built on the meta device, sharded, and loaded with
 ``load_state_dict(assign=True)`` from ``DTensor`` shards of the case's weights, a tied head
 tied again afterwards (accelerate's ``cpu_ram_efficient_loading``).
 
+From seed ``TOGGLE_FROM`` (9000) on, ``toggle`` (``{step: [parameter names]}``, at steps in
+``eval_at``): right after that step's eval forward, which may leave groups gathered,
+``requires_grad`` of those parameters is flipped through the module (on whichever
+parameter object the module holds then), in the reference too.
+
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
@@ -160,6 +165,8 @@ META_LOAD_FROM = 7500
 # From this seed on, half the cases with an MSE loss add an input-gradient penalty
 # (``penalty``): ``autograd.grad(..., create_graph=True)``, then backward through it.
 PENALTY_FROM = 8000
+# From this seed on, some cases flip ``requires_grad`` after an eval forward (``toggle``).
+TOGGLE_FROM = 9000
 
 # Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
 # ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
@@ -554,7 +561,19 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         case["frozen"] = _gen_frozen(model, case)
     if "ops" not in overrides:
         case["ops"] = _gen_ops(case)
+    if seed >= TOGGLE_FROM and "toggle" not in overrides:
+        case["toggle"] = _gen_toggle(model, case, random.Random(seed * 67867967 + 101))
     return case
+
+
+def _gen_toggle(model: nn.Module, case: dict, rng: random.Random) -> dict[int, list[str]]:
+    """Parameters whose ``requires_grad`` flips after an eval forward (half the cases with
+    an eval step within training)."""
+    names = [n for n, _ in model.named_parameters()]
+    steps = [s for s in case["eval_at"] if s < case["steps"] - 1]
+    if not names or not steps or rng.random() < 0.5:
+        return {}
+    return {s: rng.sample(names, min(len(names), rng.randint(1, 3))) for s in steps}
 
 
 _SAME_DIM = ("residual", "twice", "maybe", "layernorm", "rmsnorm", "scale", "act")
@@ -841,7 +860,7 @@ def describe(case: dict) -> str:
     keys = ["seed", "ws", "mp", "accum", "set_to_none", "optim", "clip", "eval_at"]
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
     keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
-    keys += ["ext_pad", "meta_load", "penalty"]
+    keys += ["ext_pad", "meta_load", "penalty", "toggle"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
     listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops", "ext")
     lines += [f"{k}={case[k]!r}" for k in listed if k in case]
@@ -874,6 +893,7 @@ def features(case: dict) -> set[str]:
     out |= {"ext_pad" if case["ext_pad"] else "ext_unpadded"} if case.get("ext") else set()
     out |= {"meta_load"} if _meta_load(case) else set()
     out |= {"penalty"} if case.get("penalty") else set()
+    out |= {"toggle"} if case.get("toggle") else set()
     if case["accum"] and case.get("accum_mode", "gradient_sync") != "gradient_sync":
         out.add(f"accum_{case['accum_mode']}")
     dims = [d for dims in case.get("shard_dims") or [] if dims for d in dims.values()]
@@ -1179,6 +1199,10 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
             with torch.no_grad():
                 entry["eval"] = model(x).detach().float().clone()
             model.train()
+        for name in case.get("toggle", {}).get(step, []):
+            owner, _, attr = name.rpartition(".")
+            param = getattr(model.get_submodule(owner), attr)  # unsharded if still gathered
+            param.requires_grad_(not param.requires_grad)
         steps.append(entry)
     return {"steps": steps}
 

@@ -345,6 +345,26 @@ def test_seed_with_a_gradient_penalty(seed: int) -> None:
     assert not problems, "\n".join([describe(case), *problems[:15]])
 
 
+# ``requires_grad`` flipped through the modules right after an eval forward that left groups
+# gathered ([Note: requires_grad changed while gathered]); torch's ``fully_shard`` errors or
+# goes off the reference on these, and each fails without the fix. 9020: an embedding and
+# a body weight, per-parameter meshes, a state-dict round trip; 9075: one weight frozen
+# after one eval and unfrozen after the next, checkpointed, 3 ranks; 9078: flips at two
+# steps on HSDP, two forwards before their backwards, a 3-D weight; 9087: a head frozen at
+# sharding, unfrozen after an eval, HSDP, with a gradient penalty.
+TOGGLE_SEEDS = [9020, 9075, 9078, 9087]
+
+
+@pytest.mark.parametrize("seed", TOGGLE_SEEDS)
+def test_seed_that_flips_requires_grad_after_eval(seed: int) -> None:
+    require_impl("fsdp2")
+    case = gen_case(seed)
+    assert case["toggle"]
+    per_rank = run_ranks(run_impls, case["ws"], case, ("fsdp2",), timeout=120)
+    problems = compare_reference([r["fsdp2"] for r in per_rank], run_reference(case), case)
+    assert not problems, "\n".join([describe(case), *problems[:15]])
+
+
 # A group whose module is called twice per forward, chained, with two forwards before their
 # backwards (one per loss): in the second backward the outer call's post-backward ran before
 # the inner call's gradient was accumulated (both uses of the parameter are summed before
