@@ -411,12 +411,9 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     replaced = [getattr(p, _REPLACED_ATTR) for p in params if hasattr(p, _REPLACED_ATTR)]
     gathered = [f"'{getattr(p, UNSHARDED_ATTR)}'" for p in params if hasattr(p, UNSHARDED_ATTR)]
     if gathered:
-        shown = ", ".join(gathered[:3]) + (
-            f" and {len(gathered) - 3} more" if len(gathered) > 3 else ""
-        )
         raise RuntimeError(
             f"fully_shard: {type(optimizer).__name__} holds {len(gathered)} unsharded "
-            f"parameters of sharded modules ({shown}). It was created from "
+            f"parameters of sharded modules ({_first_three(gathered)}). It was created from "
             f"model.parameters() while their groups were gathered: after a forward that "
             f"left them unsharded (an eval or no_grad forward with "
             f"reshard_after_forward=False, the root's default) or after unshard(). Those "
@@ -425,16 +422,18 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
             f"model.reshard() first."
         )
     if replaced:
-        shown = ", ".join(replaced[:3]) + (
-            f" and {len(replaced) - 3} more" if len(replaced) > 3 else ""
-        )
         raise RuntimeError(
             f"fully_shard: {type(optimizer).__name__} holds {len(replaced)} parameters that "
-            f"fully_shard replaced by sharded DTensor parameters ({shown}). It was created "
+            f"fully_shard replaced by sharded DTensor parameters ({_first_three(replaced)}). "
+            f"It was created "
             f"before fully_shard, or from a module that still shares them: its steps would "
             f"update tensors the model no longer uses. Create the optimizer after "
             f"fully_shard, from model.parameters()."
         )
+
+
+def _first_three(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def mark_composable(modules: tuple[nn.Module, ...]) -> None:
