@@ -5,23 +5,10 @@ graph needs them.
 happens to gathered values outside the plain gather-compute-free cycle: shards updated
 while the group stayed unsharded ([Note: stale unsharded parameters]), unsharded
 parameters changed in place ([Note: in-place changes to unsharded parameters] in
-``_param``), and unsharded parameters saved by the graph of a ``create_graph=True``
-backward ([Note: requires_grad changed while gathered]
-While a group is unsharded, its modules hold the unsharded parameters, so
-``model.requires_grad_(...)`` (or ``p.requires_grad_()`` over ``model.parameters()``)
-changes those, not the sharded ones the reduce-scatter packs by; code that kept the
-sharded parameters from before (an optimizer's param groups) changes the others. An eval
-forward leaves the root gathered (``reshard_after_forward=False``, the root's default), so
-"evaluate, then unfreeze the layers and train" hit this: the gradients computed through the
-unfrozen unsharded weights were dropped as frozen (torch's ``fully_shard`` fails
-differently, with "element 0 of tensors does not require grad"). Each parameter remembers
-the flag it was registered with; the root's pre-forward (through ``reshard_if_stale``) and
-every reshard give both parameters the value of whichever side changed since (the
-module's, when both did). Cost: one flag comparison per parameter of a gathered group at
-the root's pre-forward and per reshard.
-
-[Note: backward that builds a graph]). The group's buffers and layout are
-``ParamGroup``'s; this module reads and registers them.
+``_param``), ``requires_grad`` changed on either copy while gathered ([Note:
+requires_grad changed while gathered]), and unsharded parameters saved by the graph of a
+``create_graph=True`` backward ([Note: backward that builds a graph]). The group's
+buffers and layout are ``ParamGroup``'s; this module reads and registers them.
 
 [Note: stale unsharded parameters]
 A group that stays unsharded after its forward (``reshard_after_forward=False``, the root
@@ -42,6 +29,20 @@ same holds for a kept post-forward share of ``reshard_after_forward=k``, and for
 Resharding keeps the unsharded buffer's storage object (it is only emptied), so an older
 graph that saved the unsharded parameters and still runs a backward sees the re-gathered
 values.
+
+[Note: requires_grad changed while gathered]
+While a group is unsharded, its modules hold the unsharded parameters, so
+``model.requires_grad_(...)`` (or ``p.requires_grad_()`` over ``model.parameters()``)
+changes those, not the sharded ones the reduce-scatter packs by; code that kept the
+sharded parameters from before (an optimizer's param groups) changes the others. An eval
+forward leaves the root gathered (``reshard_after_forward=False``, the root's default), so
+"evaluate, then unfreeze the layers and train" hit this: the gradients computed through the
+unfrozen unsharded weights were dropped as frozen (torch's ``fully_shard`` fails
+differently, with "element 0 of tensors does not require grad"). Each parameter remembers
+the flag it was registered with; the root's pre-forward (through ``reshard_if_stale``) and
+every reshard give both parameters the value of whichever side changed since (the
+module's, when both did). Cost: one flag comparison per parameter of a gathered group at
+the root's pre-forward and per reshard.
 
 [Note: backward that builds a graph]
 A gradient penalty (WGAN-GP, R1), a physics-informed residual or a Jacobian term takes
