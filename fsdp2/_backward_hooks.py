@@ -238,7 +238,7 @@ class BackwardHooks:
                 if group.held_by_graph:
                     group.park_for_graph()
                 else:
-                    group.reshard()
+                    group.reshard(in_hook=True)
             if group.requires_gradient_sync:
                 group.reduce_grads()
             else:
@@ -331,7 +331,7 @@ class BackwardHooks:
                 if group.held_by_graph:
                     group.park_for_graph()
                 else:
-                    group.reshard()
+                    group.reshard(in_hook=True)
 
     def reduce_unsynced_grads(self) -> None:
         """Outside any backward: reduce-scatter the gradients that backwards without

@@ -677,10 +677,13 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             p.register_unsharded()
 
     @outside_functorch
-    def reshard(self, *, post_forward: bool = False) -> None:
+    def reshard(self, *, post_forward: bool = False, in_hook: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer. With
         ``post_forward`` and an int ``reshard_after_forward``, first keep this rank's
-        share for the smaller backward all-gather (one fused copy)."""
+        share for the smaller backward all-gather (one fused copy). ``in_hook``: called
+        by the forward or backward hooks, whose step began with the root's pre-forward
+        syncing ``requires_grad`` ([Note: requires_grad changed while gathered]), so the
+        per-parameter sync is skipped."""
         self.release_from_graph()
         if self._all_gather is not None:
             self.wait_for_unshard()  # a collective cannot be cancelled: drain it
@@ -701,7 +704,8 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             self._post_forward_shard = torch.cat(chunks)
             self._post_forward_ready = record_event(self._require_comm().streams.compute())
         for p in self.params:
-            p.sync_requires_grad()  # a change made through the module while gathered
+            if not in_hook:
+                p.sync_requires_grad()  # a change made through the module while gathered
             p.register(p.sharded_param)
         for p in self.extensions:
             if p.extension is not None:

@@ -302,7 +302,7 @@ class FSDPState(BackwardHooks):
                     if group.held_by_graph:
                         group.park_for_graph()
                     else:
-                        group.reshard(post_forward=True)
+                        group.reshard(post_forward=True, in_hook=True)
         self.training_state = TrainingState.IDLE
         if not grad_enabled:
             return output

@@ -40,9 +40,10 @@ forward leaves the root gathered (``reshard_after_forward=False``, the root's de
 unfrozen unsharded weights were dropped as frozen (torch's ``fully_shard`` fails
 differently, with "element 0 of tensors does not require grad"). Each parameter remembers
 the flag it was registered with; the root's pre-forward (through ``reshard_if_stale``) and
-every reshard give both parameters the value of whichever side changed since (the
-module's, when both did). Cost: one flag comparison per parameter of a gathered group at
-the root's pre-forward and per reshard.
+every reshard outside the hooks (``reshard()``, ``state_dict()``, ``module.to()``) give
+both parameters the value of whichever side changed since (the module's, when both did).
+The hooks' reshards skip it: their step began with the root's pre-forward. Cost: one flag
+comparison per parameter of a gathered group at the root's pre-forward, nothing per hook.
 
 [Note: backward that builds a graph]
 A gradient penalty (WGAN-GP, R1), a physics-informed residual or a Jacobian term takes
@@ -265,7 +266,6 @@ class UnshardedUpkeep:
             return
         self.write_back_unsharded()
         for p in self.params:
-            p.sync_requires_grad()  # see [Note: requires_grad changed while gathered]
             p.register(p.sharded_param)
         self.sharded_state = ShardedState.SHARDED
         self.kept_for_graph = True

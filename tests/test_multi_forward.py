@@ -293,8 +293,11 @@ def _requires_grad_changed_after_eval(how: str) -> dict[str, Any]:
     opt, ref_opt = torch.optim.SGD(kept, lr=0.1), torch.optim.SGD(ref_params, lr=0.1)
     with torch.no_grad():
         model(torch.randn(2, 8))
-    if how == "unfreeze-through-module":  # the modules hold the unsharded parameters now
+    if how.startswith("unfreeze-through-module"):  # the modules hold the unsharded ones now
         model.requires_grad_(True)
+        if how == "unfreeze-through-module-then-reshard":  # before any forward syncs it
+            for module in (model[0], model[1], model):
+                module.reshard()
     elif how == "unfreeze-through-kept-references":
         for p in kept:
             p.requires_grad_(True)
@@ -323,7 +326,12 @@ def _requires_grad_changed_after_eval(how: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "how",
-    ["unfreeze-through-module", "unfreeze-through-kept-references", "freeze-through-module"],
+    [
+        "unfreeze-through-module",
+        "unfreeze-through-module-then-reshard",
+        "unfreeze-through-kept-references",
+        "freeze-through-module",
+    ],
 )
 def test_requires_grad_changed_while_gathered(how: str) -> None:
     """While an eval forward leaves the groups gathered, ``model.requires_grad_()`` changes
