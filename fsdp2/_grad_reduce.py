@@ -245,7 +245,11 @@ class GradientReduction:
             rs_input = custom.allocate((ws * numel,), dtype=reduce_dtype, device=self.device)
         else:
             rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
-        self._copy_in_grads(reduced, rows, rs_input.view(ws, numel))
+        try:
+            self._copy_in_grads(reduced, rows, rs_input.view(ws, numel))
+        except RuntimeError as exc:
+            self._explain_copy_in_failure(reduced, grads, exc)
+            raise
         del rows, grads  # the unsharded gradients die here, not when this returns
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
@@ -307,15 +311,38 @@ class GradientReduction:
             total.add_(grad)
         return total
 
+    def _explain_copy_in_failure(
+        self,
+        reduced: list[ShardedParam],
+        grads: list[torch.Tensor | None],
+        exc: RuntimeError,
+    ) -> None:
+        """Raise a clear error if the copy-in failed on a gradient it cannot take (checked
+        only after a failure, so the common path pays nothing)."""
+        for p, grad in zip(reduced, grads, strict=True):
+            if grad is not None and grad.layout != torch.strided:
+                raise RuntimeError(
+                    f"fully_shard: parameter '{p.fqn}' of {self.where} got a gradient with "
+                    f"layout {grad.layout}; fully_shard reduce-scatters dense (strided) "
+                    f"gradients only. Make the op that uses it produce a dense gradient, or "
+                    f"pass the parameter in ignored_params and reduce it yourself."
+                ) from exc
+
     def _copy_in_grads(
         self, reduced: list[ShardedParam], rows: list[torch.Tensor], out: torch.Tensor
     ) -> None:
         """Fill ``out`` (``ws`` rank rows of the reduce-scatter input) from ``rows`` (see
-        ``reduce_grads``; one per parameter of ``reduced``, then the flags) in one kernel: chunk, pad and copy every gradient at once. When
-        every gradient is already in ``out``'s dtype that kernel is ``torch._chunk_cat``,
-        which pads uneven chunks itself; otherwise one ``torch.cat`` also casts, after
-        padding uneven gradients (one extra copy each) to whole chunks."""
+        ``reduce_grads``; one per parameter of ``reduced``, then the flags) in one kernel:
+        chunk, pad and copy every gradient at once. When every gradient is already in
+        ``out``'s dtype that kernel is ``torch._chunk_cat``, which pads uneven chunks
+        itself; otherwise one ``torch.cat`` also casts, after padding uneven gradients (one
+        extra copy each) to whole chunks. Zero-size parameters own no columns of ``out``
+        and are left out (neither kernel takes an empty tensor)."""
         ws = self.world_size
+        if any(p.padded_numel == 0 for p in reduced):
+            kept = [i for i, p in enumerate(reduced) if p.padded_numel]
+            reduced = [reduced[i] for i in kept]
+            rows = [rows[i] for i in kept] + [rows[-1]]
         if _chunk_cat is not None and all(t.dtype == out.dtype for t in rows):
             _chunk_cat(rows, dim=0, num_chunks=ws, out=out)
             return

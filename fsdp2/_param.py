@@ -272,6 +272,17 @@ class ShardedParam:
                 f"with numel equal to 1 (sharding splits dim 0), or pass it in ignored_params "
                 f"to keep it replicated."
             )
+        for module, name in uses:
+            if getattr(module, "sparse", False) is True and name == "weight":
+                # nn.Embedding / nn.EmbeddingBag(sparse=True): a sparse gradient cannot be
+                # cut into dim-0 shards by one reduce-scatter; it would fail in backward.
+                raise ValueError(
+                    f"fully_shard: parameter '{fqn}' belongs to {type(module).__name__}"
+                    f"(sparse=True), whose sparse gradients fully_shard cannot "
+                    f"reduce-scatter. Build it with sparse=False (and a dense optimizer "
+                    f"instead of SparseAdam), or pass it in ignored_params and reduce its "
+                    f"gradient yourself."
+                )
         self.fqn = fqn
         self.uses = uses
         # Tensor parallelism: ``param`` is already a DTensor on a TP mesh. We shard its

@@ -55,6 +55,17 @@ class WithScalar(nn.Module):
         self.temperature = nn.Parameter(torch.tensor(1.0))
 
 
+class SparseLookup(nn.Module):
+    """A sparse gradient without an ``Embedding(sparse=True)`` that fully_shard could see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(tokens, self.table, sparse=True)
+
+
 def _mesh() -> Any:
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
@@ -112,6 +123,15 @@ def _case_fns() -> dict[str, Callable[[], object]]:
 
     def zero_dim_param() -> None:
         fsdp2.fully_shard(WithScalar(), mesh=_mesh())
+
+    def sparse_embedding() -> None:
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        fsdp2.fully_shard(model, mesh=_mesh())
+
+    def sparse_gradient() -> None:
+        model = SparseLookup()
+        fsdp2.fully_shard(model, mesh=_mesh())
+        model(torch.tensor([[1, 2], [3, 4]])).sum().backward()
 
     def applied_twice() -> None:
         block = Block()
@@ -387,6 +407,17 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "ValueError",
         r"doesn't support scalar parameters\. Change temperature to a 1D tensor with numel "
         r"equal to 1.*ignored_params",
+    ),
+    "sparse_embedding": (
+        "ValueError",
+        r"^fully_shard: parameter '0\.weight' belongs to Embedding\(sparse=True\), whose sparse "
+        r"gradients fully_shard cannot reduce-scatter\. Build it with sparse=False.*ignored_params",
+    ),
+    "sparse_gradient": (
+        "RuntimeError",
+        r"^fully_shard: parameter 'table' of the root \(SparseLookup\) got a gradient with "
+        r"layout torch\.sparse_coo; fully_shard reduce-scatters dense \(strided\) gradients "
+        r"only\..*ignored_params",
     ),
     "applied_twice": ("AlreadyShardedError", r"already applied to this FSDPBlock"),
     "deepcopy_sharded": (

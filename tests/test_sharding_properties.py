@@ -162,3 +162,64 @@ def test_single_param_layout(impl: str, world_size: int, shapes: list) -> None:
 def test_group_layout_and_unshard(impl: str, world_size: int, groups: list) -> None:
     require_impl(impl)
     _report(run_ranks(check_group_shapes, world_size, impl, groups))
+
+
+class WithEmptyParams(nn.Module):
+    """Zero-size parameters (placeholders sized by a config, e.g. zero register tokens)
+    beside ordinary ones in one group: they own no part of the flat shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.no_rows = nn.Parameter(torch.zeros(0, 5))
+        self.lin = nn.Linear(5, 7)
+        self.no_cols = nn.Parameter(torch.zeros(3, 0))
+        self.empty = nn.Parameter(torch.zeros(0))
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x)) + self.no_rows.sum() + self.no_cols.sum() + self.empty.sum()
+        return self.out(h)
+
+
+def train_with_empty_params(mixed: bool) -> list[str]:
+    """Rank function: fsdp2 against the non-sharded model on the same global batch; the
+    zero-size parameters get zero-size gradients and the others match."""
+    import fsdp2
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = WithEmptyParams()
+    model = WithEmptyParams()
+    model.load_state_dict(ref.state_dict())
+    kw = {}
+    if mixed:  # bf16 compute, fp32 reduction: the copy-in casts (the torch.cat path)
+        kw["mp_policy"] = fsdp2.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        ref = ref.to(torch.bfloat16)
+    fsdp2.fully_shard(model.lin, **kw)
+    fsdp2.fully_shard(model, **kw)
+    problems: list[str] = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * ws, 5, generator=gen)
+        local = x[2 * rank : 2 * rank + 2]
+        model(local).square().mean().backward()
+        ref(x.to(ref.lin.weight.dtype)).square().mean().backward()
+        for name, p in model.named_parameters():
+            ref_grad = ref.get_parameter(name).grad
+            grad = p.grad.full_tensor()
+            if grad.shape != p.shape:
+                problems.append(f"step {step} {name}: gradient shape {tuple(grad.shape)}")
+            elif not torch.allclose(grad, ref_grad.float(), atol=2e-2 if mixed else 1e-6):
+                problems.append(
+                    f"step {step} {name}: gradient off by {(grad - ref_grad).abs().max()}"
+                )
+        model.zero_grad()
+        ref.zero_grad()
+    return problems
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("world_size", [2, 3], ids=lambda v: f"ws{v}")
+def test_zero_size_parameters_train(world_size: int, mixed: bool) -> None:
+    """torch's fully_shard fails here ("_chunk_cat expects non-empty tensor")."""
+    _report(run_ranks(train_with_empty_params, world_size, mixed))
