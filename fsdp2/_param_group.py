@@ -101,7 +101,7 @@ from fsdp2._unsharded_upkeep import (
     GraphHoldOwner,
     ShardedState,
     UnshardedUpkeep,
-    outside_functorch,
+    outside_transforms,
 )
 
 
@@ -303,7 +303,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             flat = flat.pin_memory()  # lets host-to-device copies run asynchronously
         return flat
 
-    @outside_functorch
+    @outside_transforms
     def lazy_init(self, comm: CommContext, module_names: Mapping[int, str] | None = None) -> None:
         """Bind to the tree's communication context and build the unsharded buffer.
         ``module_names``: module id -> name under the root, for error messages."""
@@ -490,7 +490,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         return changed
 
     # -- unshard / reshard -----------------------------------------------------------------
-    @outside_functorch
+    @outside_transforms
     def unshard(self, *, after_compute: bool = False) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
         already in flight). Call ``wait_for_unshard`` before using the parameters.
@@ -628,7 +628,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
 
-    @outside_functorch
+    @outside_transforms
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
         them on the modules."""
@@ -676,7 +676,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         for p in self.params:
             p.register_unsharded()
 
-    @outside_functorch
+    @outside_transforms
     def reshard(self, *, post_forward: bool = False, in_hook: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer. With
         ``post_forward`` and an int ``reshard_after_forward``, first keep this rank's

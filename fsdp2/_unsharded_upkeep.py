@@ -80,6 +80,7 @@ second ("setStorage ... out of bounds for storage of size 0"). So:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -91,19 +92,29 @@ import torch
 from fsdp2._param import ShardedParam
 
 
-def outside_functorch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with ``torch.func`` transforms (jvp, vmap, grad) switched off when one is
-    active. Unsharding and resharding allocate and fill plain buffers that belong to no
-    transform level, but a module's forward, and so its first all-gather and lazy init, can
-    run inside one (``torch.func.jvp(lambda t: model(x), ...)``): tensors created there
-    would be functorch wrappers, whose storage cannot be resized or aliased."""
+def outside_transforms(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` outside ``torch.func`` transforms (jvp, vmap, grad) and outside
+    ``torch.inference_mode`` when one is active. Unsharding and resharding allocate and fill
+    buffers that outlive the call, but a module's forward, and so its first all-gather and
+    lazy init, can run inside either: tensors created inside a transform would be functorch
+    wrappers, whose storage cannot be resized or aliased, and tensors created in inference
+    mode would be inference tensors, which have no version counter and which a later
+    training step may neither update in place nor save for backward. Inference mode also
+    turns grad mode off, so ``fn`` runs under ``no_grad`` there, as it would have."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._are_functorch_transforms_active():
-            with torch._C._DisableFuncTorch():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
+        in_transform = torch._C._are_functorch_transforms_active()
+        in_inference_mode = torch.is_inference_mode_enabled()
+        if not (in_transform or in_inference_mode):
+            return fn(*args, **kwargs)
+        with contextlib.ExitStack() as modes:
+            if in_transform:
+                modes.enter_context(torch._C._DisableFuncTorch())
+            if in_inference_mode:
+                modes.enter_context(torch.inference_mode(False))
+                modes.enter_context(torch.no_grad())
+            return fn(*args, **kwargs)
 
     return wrapper
 
@@ -214,7 +225,7 @@ class UnshardedUpkeep:
             and self._require_unsharded_flat()._version != version
         )
 
-    @outside_functorch
+    @outside_transforms
     def write_back_unsharded(self) -> None:
         """Copy in-place changes of the unsharded parameters into this rank's shards; see
         [Note: in-place changes to unsharded parameters] in ``_param``."""

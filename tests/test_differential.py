@@ -367,6 +367,21 @@ def test_seed_that_flips_requires_grad_after_eval(seed: int) -> None:
     _assert_fsdp2_on_reference(case)
 
 
+# Eval forwards under torch.inference_mode(), one of them before the first step (lazy init
+# there, as in Lightning's sanity check): fsdp2 failed in every such case ("Inference
+# tensors do not track version counter"), torch's fully_shard fails in the next training
+# step. 9500: accumulation, meta-device load, 4 ranks; 9511: HSDP, a module called twice,
+# evals after every step; 9522: tied weights; 9531: activation checkpointing, 3 ranks.
+INFERENCE_SEEDS = [9500, 9511, 9522, 9531]
+
+
+@pytest.mark.parametrize("seed", INFERENCE_SEEDS)
+def test_seed_with_inference_mode_evals(seed: int) -> None:
+    case = gen_case(seed)
+    assert case["eval_mode"] == "inference" and case["eval_first"]
+    _assert_fsdp2_on_reference(case)
+
+
 # A group whose module is called twice per forward, chained, with two forwards before their
 # backwards (one per loss): in the second backward the outer call's post-backward ran before
 # the inner call's gradient was accumulated (both uses of the parameter are summed before

@@ -343,3 +343,50 @@ def test_requires_grad_changed_while_gathered(how: str) -> None:
     for report in run_ranks(_requires_grad_changed_after_eval, 2, how):
         assert all(mine == ref for mine, ref in report["has_grad"]), report
         assert report["diff"] <= TOL, report
+
+
+def _inference_mode_around_training(reshard: bool, mixed: bool) -> dict:
+    """Evaluate under ``torch.inference_mode()`` before the first step (lazy init there)
+    and between steps, against the unsharded model trained on the global batch."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = build_net()
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
+    if mixed:
+        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    model = shard_net(clone_model(ref), "fsdp2", **kwargs)
+    ref_opt, opt = adamw(ref), adamw(model)
+    eval_diffs: list[float] = []
+    for step in range(3):
+        x = global_batch(100 + step, 2)[0]
+        evaluated = copy.deepcopy(ref).to(torch.bfloat16) if mixed else ref
+        with torch.inference_mode():
+            out = model(x)
+            expected = evaluated(x.to(evaluated.blocks[0].lin1.weight.dtype))
+            eval_diffs.append((out.float() - expected.float()).abs().max().item())
+        batch = global_batch(step, 4 * ws)
+        reference_step(ref, ref_opt, batch)
+        mse(model, rank_slice(batch, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+    inference_tensors = [n for n, p in model.named_parameters() if p.to_local().is_inference()]
+    return {
+        "diff": max_param_diff(ref, model),
+        "eval": max(eval_diffs),
+        "inference_tensors": inference_tensors,
+    }
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no_reshard"])
+def test_inference_mode_forwards_before_and_between_steps(reshard: bool, mixed: bool) -> None:
+    """Forwards under ``torch.inference_mode()`` (Lightning's validation loop, eval
+    scripts) made the all-gather outputs and unsharded parameters inference tensors: fsdp2
+    failed at once ("Inference tensors do not track version counter"), torch's
+    ``fully_shard`` in the next training step ("Inplace update to inference tensor outside
+    InferenceMode", "Inference tensors cannot be saved for backward"). Unsharding and
+    resharding now step out of inference mode (``_unsharded_upkeep.outside_transforms``)."""
+    require_impl("fsdp2")
+    for result in run_ranks(_inference_mode_around_training, 2, reshard, mixed):
+        assert not result["inference_tensors"], result
+        assert result["diff"][1] <= (2e-2 if mixed else TOL), result
+        assert result["eval"] <= (5e-2 if mixed else 1e-5), result
