@@ -77,6 +77,12 @@ class TreeContext:
         # This backward runs with ``create_graph=True``; see [Note: backward that builds a
         # graph] in ``_unsharded_upkeep``.
         self.building_graph = False
+        # The implicit forward prefetch on the CPU ([Note: forward prefetch on the CPU] in
+        # ``_state``): the last state whose pre-forward ran in this forward, and the states
+        # gathered ahead whose pre-forward has not run yet (freed at the root's
+        # post-forward if it does not).
+        self.last_forward_started: Any = None
+        self.forward_prefetched: dict[int, Any] = {}
         # False until the root's first forward: a tree that ``unshard()`` on a submodule
         # created is taken over by the outermost root at its first forward.
         self.started = False

@@ -4,8 +4,9 @@ Timeline of one training step for a tree sharded bottom-up (blocks, then the roo
 
 - root pre-forward: lazy init on the first call (find the tree, pick defaults, build the
   groups' buffers); start a fresh forward order.
-- each pre-forward: all-gather the group (or wait for a prefetched one), register the
-  unsharded parameters, attach the post-backward trigger to the inputs.
+- each pre-forward: all-gather the group (or wait for a prefetched one), on the CPU also
+  issue the next group's all-gather, register the unsharded parameters, attach the
+  post-backward trigger to the inputs.
 - each post-forward: reshard if ``reshard_after_forward``; record the order; attach the
   pre-backward trigger to the outputs.
 - pre-backward, post-backward and the final callback: ``BackwardHooks``
@@ -58,6 +59,25 @@ def fsdp_state_of(module: nn.Module) -> FSDPState | None:
 # (as in torch), and an int ``reshard_after_forward`` that equals a group's shard size
 # reshards that group fully.
 
+# [Note: forward prefetch on the CPU]
+# On an accelerator the host queues a block's kernels and moves on, so the next block's
+# pre-forward issues its all-gather while the current block still computes: streams give
+# forward overlap without prefetching. On the CPU the compute runs in the hook's thread,
+# so an all-gather issued at a block's own pre-forward is waited for at once and the
+# collective never overlaps compute (torch's ``fully_shard`` runs so). Each pre-forward
+# therefore records which state's pre-forward follows it within the root's forward, and
+# on the CPU, unless ``set_modules_to_forward_prefetch`` chose for it, a pre-forward issues
+# the all-gather of the state that followed it in the previous forward right after its
+# own, before the compute it then overlaps (gloo runs collectives on its own thread).
+# After that state, the chain goes on while the states in it keep their parameters until
+# backward anyway (``reshard_after_forward=False``): gathering those early costs no peak
+# memory, since all of them are gathered by the end of the forward. Otherwise the cost is
+# one more group alive in forward, as the backward prefetch already holds one in
+# backward. Every rank follows the previous step's order, so the issued collectives agree
+# as long as the ranks agreed then; a state prefetched for a path the forward did not
+# take (a branch chosen per step) is freed at the root's post-forward. Measured on 2 gloo
+# ranks (``benchmarks/compare.py``): about 8% off forward plus backward.
+
 
 class FSDPState(BackwardHooks):
     """What one ``fully_shard`` call created: its parameter groups (one per mesh, usually
@@ -89,6 +109,9 @@ class FSDPState(BackwardHooks):
         self.fqn = ""  # of the module(s), relative to the root; set at lazy init, for logs
         self.training_state = TrainingState.IDLE
         self.forward_prefetch: list[FSDPState] | None = None
+        # The state whose pre-forward followed this one's in the last forward of the tree:
+        # the implicit forward prefetch on the CPU ([Note: forward prefetch on the CPU]).
+        self._next_in_forward: FSDPState | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.unshard_in_backward = True
         self._forward_positions: list[int] = []
@@ -356,6 +379,13 @@ class FSDPState(BackwardHooks):
             # parameters]).
             for group in groups:
                 group.reshard_if_stale()
+        in_root_forward = self.is_root or tree.root.training_state is TrainingState.FORWARD
+        if in_root_forward:
+            tree.forward_prefetched.pop(id(self), None)
+            previous = tree.last_forward_started
+            if previous is not None and previous is not self:
+                previous._next_in_forward = self
+            tree.last_forward_started = self
         self.training_state = TrainingState.FORWARD
         self._claims_this_forward = 0
         self._forward_call = ForwardCall(self._backward_epoch)
@@ -363,7 +393,10 @@ class FSDPState(BackwardHooks):
             logger.debug("FSDP::pre_forward (%s)", self.fqn)
             for group in groups:
                 group.unshard()
-            for target in self.forward_prefetch or ():
+            targets = self.forward_prefetch
+            if targets is None:
+                targets = self._implicit_forward_prefetch(tree) if in_root_forward else []
+            for target in targets:
                 for target_group in target.groups:
                     target_group.unshard()
             for group in groups:
@@ -372,12 +405,33 @@ class FSDPState(BackwardHooks):
             args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs
 
+    def _implicit_forward_prefetch(self, tree: TreeContext) -> list[FSDPState]:
+        """The states to all-gather ahead on the CPU ([Note: forward prefetch on the CPU]):
+        the one whose forward followed this one's last time, and after it every next one
+        that keeps its parameters until backward anyway. None on accelerators."""
+        if tree.comm.streams.all_gather is not None:
+            return []
+        targets: list[FSDPState] = []
+        target = self._next_in_forward
+        while target is not None and target is not self and target.tree is tree:
+            if id(target) in tree.forward_prefetched or target in targets:
+                break
+            if not all(g.is_unsharded for g in target.groups):
+                targets.append(target)
+                tree.forward_prefetched[id(target)] = target
+            if target.reshard_after_forward:
+                break
+            target = target._next_in_forward
+        return targets
+
     def _root_pre_forward(self) -> None:
         tree = self.tree
         if tree is None:
             raise AssertionError("root pre-forward before lazy init")
         tree.started = True
         logger.debug("FSDP::root_pre_forward")
+        tree.last_forward_started = None
+        tree.forward_prefetched.clear()
         # A step starts a fresh forward order, unless an earlier forward's backward is
         # still to come (several forwards, then one backward): it needs its positions.
         fresh = tree.live_claims == 0
@@ -415,6 +469,12 @@ class FSDPState(BackwardHooks):
             for state in reversed(tree.states):
                 if state is not self and state._modules_to_run:
                     output = state._complete_partial_forward(output)
+            # Prefetched for a forward that took another path this time: free them.
+            for state in tree.forward_prefetched.values():
+                if state.training_state is TrainingState.IDLE:
+                    for group in state.groups:
+                        group.reshard(in_hook=True)
+            tree.forward_prefetched.clear()
         output = self._end_forward(output)
         if self.is_root:  # backward starts with an empty pool: [Note: host buffer pool]
             tree.comm.host_buffers.clear()

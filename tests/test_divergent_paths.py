@@ -85,13 +85,15 @@ def _rank_1_diverges(second_step: dict[str, Any]) -> str:
 
 
 def test_module_skipped_on_one_rank_is_named() -> None:
-    """Rank 1 skips ``blocks.2`` in the second step's forward: its all-gather of
-    ``blocks.3`` (same size) would meet the others' ``blocks.2``."""
+    """Rank 1 skips ``blocks.2`` in the second step's forward. The CPU's forward prefetch,
+    which follows the first step's order, gathers ``blocks.2`` on every rank, so the paths
+    first differ in backward: rank 1's all-gather of ``blocks.1`` (same size) would meet
+    the others' ``blocks.2``."""
     messages = run_ranks(_rank_1_diverges, 2, {"skip": 2}, timeout=60)
     assert messages[0] == messages[1], messages
     assert "about to issue different collectives" in messages[0]
     assert "rank 0: all-gather of blocks.2 (Linear), 72 elements" in messages[0]
-    assert "rank 1: all-gather of blocks.3 (Linear), 72 elements" in messages[0]
+    assert "rank 1: all-gather of blocks.1 (Linear), 72 elements" in messages[0]
     assert "ran different paths through the sharded modules" in messages[0]
 
 
