@@ -11,6 +11,7 @@ interleaved sequence must equal the schedule the configuration implies:
   backward prefetches the block that ran before (one ahead). fsdp2 on the CPU also
   gathers one block ahead in forward from the second step on, following the order of the
   step before (``FSDP2_CPU_FORWARD``; [Note: forward prefetch on the CPU]).
+* ``forward_off``: ``set_modules_to_forward_prefetch([])`` on every module turns that off.
 * ``next_two``: block ``i`` prefetches blocks ``i+1, i+2`` in forward and ``i-1, i-2`` in
   backward, so block 0's pre-forward issues three all-gathers before ``F0``.
 * ``farthest_first``: the same sets, farthest first (``i+2, i+1`` / ``i-2, i-1``): the
@@ -65,6 +66,11 @@ EXPECTED = {
         ["AG:root", AG(0), "F0", AG(1), "F1", AG(2), "F2", AG(3), "F3"],
         [AG(3), AG(2), "B3", RS(3), AG(1), "B2", RS(2), AG(0), "B1", RS(1), "B0", RS(0), "RS:root"],
     ),
+    # set_modules_to_forward_prefetch([]) on every module: fsdp2's CPU forward prefetch off.
+    "forward_off": (
+        ["AG:root", AG(0), "F0", AG(1), "F1", AG(2), "F2", AG(3), "F3"],
+        [AG(3), AG(2), "B3", RS(3), AG(1), "B2", RS(2), AG(0), "B1", RS(1), "B0", RS(0), "RS:root"],
+    ),
     "next_two": (
         ["AG:root", AG(0), AG(1), AG(2), "F0", AG(3), "F1", "F2", "F3"],
         [AG(3), AG(2), AG(1), "B3", RS(3), AG(0), "B2", RS(2), "B1", RS(1), "B0", RS(0), "RS:root"],
@@ -87,9 +93,13 @@ def configure(model, mode: str) -> None:
         backward = blocks[max(i - 2, 0) : i][::-1]  # previous two, nearest first
         if mode == "farthest_first":
             forward, backward = forward[::-1], backward[::-1]
-        if mode != "default":
+        if mode == "forward_off":
+            block.set_modules_to_forward_prefetch([])
+        elif mode != "default":
             block.set_modules_to_forward_prefetch(forward)
             block.set_modules_to_backward_prefetch(backward)
+    if mode == "forward_off":
+        model.set_modules_to_forward_prefetch([])
 
 
 def prefetch_schedule(impl: str, mode: str, steps: int = 2) -> dict:
