@@ -412,9 +412,11 @@ class FSDPState(BackwardHooks):
         if tree.comm.streams.all_gather is not None:
             return []
         targets: list[FSDPState] = []
+        seen = {id(self)}  # the recorded order can cycle (modules called alternately)
         target = self._next_in_forward
-        while target is not None and target is not self and target.tree is tree:
-            if id(target) in tree.forward_prefetched or target in targets:
+        while target is not None and id(target) not in seen and target.tree is tree:
+            seen.add(id(target))
+            if id(target) in tree.forward_prefetched:
                 break
             if not all(g.is_unsharded for g in target.groups):
                 targets.append(target)

@@ -236,3 +236,57 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "prefetch.md"
 def test_docs_example() -> None:
     require_impl("fsdp2")
     assert all(run_ranks(exec_doc_example, 2, first_python_block(DOC), str(DOC)))
+
+
+class Alternating(nn.Module):
+    """Two blocks applied alternately, twice each (weights shared across depth): the
+    recorded forward order cycles (``a`` -> ``b`` -> ``a``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN_DIM, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.out = nn.Linear(8, IN_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(2):
+            h = torch.tanh(self.b(torch.tanh(self.a(h))))
+        return self.out(h)
+
+
+def alternating_blocks(reshard: bool) -> float:
+    """Rank function: no-grad forwards (the blocks stay gathered without resharding), then
+    training steps; the largest difference from the unsharded model."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = Alternating()
+    model = clone_model(ref)
+    fully_shard = get_fully_shard("fsdp2")
+    for block in (model.a, model.b):
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model)
+    ref_opt, opt = adamw(ref), adamw(model)  # before the forwards that leave groups gathered
+    worst = 0.0
+    with torch.no_grad():
+        for step in range(3):
+            x = global_batch(100 + step, 2)[0]
+            worst = max(worst, (model(x) - ref(x)).abs().max().item())
+    for step in range(3):
+        batch = global_batch(step, 2 * ws)
+        reference_step(ref, ref_opt, batch)
+        mse(model, rank_slice(batch, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+    return max(worst, max_param_diff(ref, model)[1])
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_forward_prefetch_follows_a_cycling_order(reshard: bool) -> None:
+    """The CPU forward prefetch follows the recorded order through groups that keep their
+    parameters; with blocks called alternately that order cycles, and a chain of
+    already-gathered groups looped forever (a hang, caught by the timeout)."""
+    require_impl("fsdp2")
+    for diff in run_ranks(alternating_blocks, 2, reshard, timeout=60):
+        assert diff <= TOL, diff
