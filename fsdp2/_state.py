@@ -75,8 +75,9 @@ def fsdp_state_of(module: nn.Module) -> FSDPState | None:
 # one more group alive in forward, as the backward prefetch already holds one in
 # backward. Every rank follows the previous step's order, so the issued collectives agree
 # as long as the ranks agreed then; a state prefetched for a path the forward did not
-# take (a branch chosen per step) is freed at the root's post-forward. Measured on 2 gloo
-# ranks (``benchmarks/compare.py``): about 8% off forward plus backward.
+# take (a branch chosen per step) is freed at the root's post-forward. With it the
+# no-reshard config's step ratio to torch on 2 gloo ranks went from 0.88-0.93 to 0.82
+# (``benchmarks/results/2026-11-25.notes.md``).
 
 
 class FSDPState(BackwardHooks):
