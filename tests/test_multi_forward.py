@@ -351,9 +351,13 @@ def _inference_mode_around_training(reshard: bool, mixed: bool) -> dict:
     rank, ws = dist.get_rank(), dist.get_world_size()
     ref = build_net()
     kwargs: dict[str, Any] = {"reshard_after_forward": reshard}
+    root_kwargs: dict[str, Any] = {}
     if mixed:
-        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
-    model = shard_net(clone_model(ref), "fsdp2", **kwargs)
+        bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+        kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(**bf16)
+        # fp32 outputs from the root: torch 2.11's mse_loss backward refuses mixed dtypes
+        root_kwargs["mp_policy"] = fsdp2.MixedPrecisionPolicy(**bf16, output_dtype=torch.float32)
+    model = shard_net(clone_model(ref), "fsdp2", root_kwargs=root_kwargs, **kwargs)
     ref_opt, opt = adamw(ref), adamw(model)
     eval_diffs: list[float] = []
     for step in range(3):
