@@ -111,6 +111,8 @@ def summarize(
         if "instrumented" in r0:
             inst = r0["instrumented"]
             res["comm"] = inst["comm"]
+            if "collective_time" in inst:
+                res["collective_time"] = inst["collective_time"]
             res["probe"] = inst["probe"]
             # --no-memory: the probe counted copies and collectives only; no memory rows.
             tracked = inst["probe"].get("memory_tracked", True)
@@ -169,6 +171,17 @@ def summarize(
                 "bwd_s": t["bwd_s"] - p["bwd_s"],
                 "opt_s": t["opt_s"] - p["opt_s"],
             }
+            # The fake process group runs each collective inside its call (synchronously):
+            # what the calls took is its simulated transport, not the implementation's own
+            # work (docs/benchmarks.md, "Framework overhead").
+            calls = res.get("collective_time", {}).get("call_s")
+            if spec.fake and calls is not None:
+                res["overhead"]["step_net_of_collective_calls_s"] = (
+                    res["overhead"]["step_s"] - calls
+                )
+                res["overhead"]["fwd_bwd_net_of_collective_calls_s"] = (
+                    res["overhead"]["fwd_bwd_s"] - calls
+                )
         if "copy_bytes" in res and "copy_bytes" in plain:
             res["copy_bytes_excess"] = res["copy_bytes"] - plain["copy_bytes"]
         if "memory" in res:

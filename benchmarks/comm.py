@@ -7,7 +7,7 @@ a wrapper that records the call and forwards it. Nested calls (``all_gather_into
 delegates to ``all_gather_single`` in recent torch) are counted once, at the outermost call.
 
 Per call it records the kind (all_gather / reduce_scatter / all_reduce / other), the API name,
-the dtype, and the local input and output bytes. ``payload`` is the unsharded size moved by the
+the dtype, the local input and output bytes, and the wall time inside the call (``timing``). ``payload`` is the unsharded size moved by the
 collective: the output of an all-gather, the input of a reduce-scatter, the tensor of an
 all-reduce (the sum over the list for list-based APIs).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -119,12 +120,25 @@ class CollectiveCounter:
                     }
                 )
             self._tls.depth = depth + 1
+            start = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
                 self._tls.depth = depth
+                if depth == 0:
+                    self.calls[-1]["seconds"] = time.perf_counter() - start
 
         return wrapper
+
+    def timing(self) -> dict[str, Any]:
+        """Wall time spent inside the collective calls, in total and per kind. Kept apart
+        from ``summary`` (which is deterministic). Meaningful where a call returns only
+        when the collective is done: the fake process group (synchronous). On real ranks
+        an ``async_op`` call returns at once and the wait happens elsewhere."""
+        by_kind: dict[str, float] = defaultdict(float)
+        for c in self.calls:
+            by_kind[c["kind"]] += c.get("seconds", 0.0)
+        return {"call_s": sum(by_kind.values()), "by_kind": dict(by_kind)}
 
     def summary(self) -> dict[str, Any]:
         """Per kind: count, payload bytes, dtypes; plus per API name counts."""

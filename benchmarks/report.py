@@ -64,6 +64,17 @@ def rows_for(entry: dict) -> list[tuple[str, str, Any]]:
         ("step time, min (ms)", "ms", lambda r: _get(r, "time", "step_s_min")),
         ("overhead vs non-sharded (ms)", "ms", lambda r: _get(r, "overhead", "step_s")),
         ("  fwd+bwd overhead (ms)", "ms", lambda r: _get(r, "overhead", "fwd_bwd_s")),
+        ("collective calls (ms)", "ms", lambda r: _get(r, "collective_time", "call_s")),
+        (
+            "  overhead net of them (ms, fake pg)",
+            "ms",
+            lambda r: _get(r, "overhead", "step_net_of_collective_calls_s"),
+        ),
+        (
+            "  fwd+bwd net of them (ms, fake pg)",
+            "ms",
+            lambda r: _get(r, "overhead", "fwd_bwd_net_of_collective_calls_s"),
+        ),
         ("all-gather count", "n", lambda r: _comm(r, "all_gather", "count")),
         ("all-gather payload (MiB)", "MiB", lambda r: _comm(r, "all_gather", "payload_bytes")),
         ("reduce-scatter count", "n", lambda r: _comm(r, "reduce_scatter", "count")),

@@ -112,6 +112,13 @@ def test_quick_schema(runs: dict[str, dict[str, Any]], config: str) -> None:
         # Every collective reached the backend: the Python-API count matches the dispatcher.
         assert res["comm"]["total_count"] == res["probe"]["c10d_calls_total"]
         assert res["memory"]["lower_bound_bytes"] == entry["lower_bound"]["bytes"]
+        # The fake process group's collectives run inside their calls: their time is
+        # reported, and taken out of the overhead in the "net" figures.
+        calls = res["collective_time"]["call_s"]
+        assert calls > 0 and set(res["collective_time"]["by_kind"]) == set(kinds)
+        overhead = res["overhead"]
+        assert overhead["step_net_of_collective_calls_s"] == overhead["step_s"] - calls
+        assert overhead["fwd_bwd_net_of_collective_calls_s"] == overhead["fwd_bwd_s"] - calls
         assert {"time_to_first_step_s", "lazy_init_s", "shard_s"} <= res["ttfs"].keys()
     # Both implementations issue the same kinds of collectives on the same model.
     assert (
