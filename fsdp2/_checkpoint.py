@@ -97,6 +97,23 @@ def _mesh_device(mesh: DeviceMesh | None) -> torch.device:
     return torch.device(mesh.device_type, device_module.current_device())
 
 
+def _on_mesh_device(value: DTensor) -> DTensor:
+    """``value``, or, when its local tensor is on another device type than its mesh (a
+    CPU-offloaded shard of an accelerator's mesh), a copy on the mesh's device: the
+    mesh's collective backend (NCCL) cannot gather host memory."""
+    local, mesh = value.to_local(), value.device_mesh
+    if local.device.type == mesh.device_type:
+        return value
+    return DTensor.from_local(
+        local.to(_mesh_device(mesh)),
+        mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+
+
 def _mesh_comm(mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup | None, int]:
     """(process group spanning the mesh, global rank of the mesh's first rank)."""
     if mesh is None:
@@ -451,7 +468,7 @@ def get_full_state_dict(
                     out[key] = done[id(value)]
                 continue
             if isinstance(value, DTensor):
-                full = value.full_tensor()
+                full = _on_mesh_device(value).full_tensor()
             else:
                 full = value.detach().clone()
             if not keep:

@@ -74,8 +74,10 @@ derived from it: ``detach()``, ``state_dict()`` entries) a nonzero ``data_ptr()`
 ``Tensor.__deepcopy__`` and ``torch.save`` tell wrapper subclasses apart by a zero
 ``data_ptr()``; they would otherwise try to read the wrapper's (nonexistent) storage and
 fail. ``copy.deepcopy(model.state_dict())`` and ``torch.save(model.state_dict())`` must work,
-so each local tensor is a DLPack alias of its slot: the same memory, a storage of its own
-that starts at the slot (offset 0) and keeps the flat buffer alive. The flat shard buffer is
+so each local tensor is an alias of its slot made from a slice of the flat buffer's untyped
+storage: the same memory, a storage of its own that starts at the slot (offset 0) and keeps
+the flat buffer's storage alive. (A DLPack round trip does the same on the CPU, but refuses
+CUDA tensors of a device that is not the current one.) The flat shard buffer is
 never resized or swapped, so the alias stays valid for the buffer's lifetime; tensors on the
 meta device have no memory and stay plain views.
 
@@ -104,6 +106,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp2._extensions import (
@@ -158,18 +161,15 @@ def alias_at_offset_zero(view: torch.Tensor) -> torch.Tensor:
         return view
     if view.numel() == 0:  # no memory to share: an empty tensor of the same layout
         return torch.empty_strided(view.shape, view.stride(), dtype=view.dtype, device=view.device)
-    try:
-        alias = torch.from_dlpack(view)
-    except (RuntimeError, TypeError, ValueError, BufferError):  # a layout DLPack cannot carry
-        return view
-    same = (alias.device, alias.dtype, alias.shape, alias.stride(), alias.data_ptr()) == (
-        view.device,
-        view.dtype,
-        view.shape,
-        view.stride(),
-        view.data_ptr(),
-    )
-    return alias if same else view
+    itemsize = view.element_size()
+    first = view.storage_offset() * itemsize
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
+    # A slice of an untyped storage is a storage of its own over those bytes that holds a
+    # reference to the whole one: valid for every device (and pinned host memory), unlike
+    # a DLPack round trip, which refuses CUDA tensors of a device that is not current.
+    piece = view.untyped_storage()[first : first + extent * itemsize]
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(piece, 0, view.shape, view.stride())
 
 
 def _spmd_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, fqn: str) -> DeviceMesh:
@@ -717,15 +717,12 @@ class ShardedParam:
         return self._global(local_grad, self.dtensor_mesh, self.placements)
 
     def _global(self, local: torch.Tensor, mesh: DeviceMesh, placements: Any) -> DTensor:
-        """``local`` as this rank's part of a DTensor of the parameter's global shape."""
-        return DTensor.from_local(
-            local,
-            mesh,
-            placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=contiguous_stride(self.global_shape),
-        )
+        """``local`` as this rank's part of a DTensor of the parameter's global shape, kept
+        where it is. ``DTensor.from_local`` would copy a local tensor on another device type
+        than the mesh's to the mesh's device: with CPU offload on an accelerator mesh the
+        sharded parameters would leave the (pinned) flat shard for device copies."""
+        meta = TensorMeta(self.global_shape, contiguous_stride(self.global_shape), local.dtype)
+        return DTensor(local, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)
 
 
 def refuse_plain_values(

@@ -134,27 +134,51 @@ def one_rank(device: torch.device) -> dict[str, Any]:
                 report[f"{key}_allocated_per_step"] = {n: m for n, m in memory.items() if m}
                 report[f"{key}_step_peak_bytes"] = peaks
             del models, optims
-        report["offloaded_shards_moved_to_device"] = _offloaded_shards_moved(device, mesh)
+        report["offload"] = _offload(device, mesh)
         dist.destroy_process_group()
     return report
 
 
-def _offloaded_shards_moved(device: torch.device, mesh) -> str:
-    """A module sharded with CPU offload, then moved to the device: on an accelerator the
-    first forward must raise (torch's wording) instead of silently keeping the shards
-    there; on the CPU the move changes nothing and training runs."""
+def _offload(device: torch.device, mesh) -> dict[str, Any]:
+    """CPU offload on the device's mesh: one training step (the shards, gradients and
+    optimizer state must stay on the CPU while compute runs on the device), a full state
+    dict (gathered on the device: NCCL cannot gather host memory), then the module moved
+    to the device: on an accelerator its next forward must raise (torch's wording)
+    instead of silently keeping the shards there; on the CPU the move changes nothing."""
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    plain = copy.deepcopy(model).to(device)
     for layer in model:
         fsdp2.fully_shard(layer, mesh=mesh, offload_policy=fsdp2.CPUOffloadPolicy(False))
     fsdp2.fully_shard(model, mesh=mesh, offload_policy=fsdp2.CPUOffloadPolicy(False))
+    report: dict[str, Any] = {}
+    x = torch.randn(2, 8, device=device)
+    try:
+        model(x).sum().backward()
+        plain(x).sum().backward()
+        report["grad_diff"] = max(
+            (p.grad.full_tensor().to(device) - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), plain.parameters())
+        )
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        report["devices"] = sorted(
+            {p.to_local().device.type for p in model.parameters()}
+            | {p.grad.to_local().device.type for p in model.parameters()}
+        )
+        full = fsdp2.get_full_state_dict(model)
+        report["full_state_dict"] = sorted({value.device.type for value in full.values()})
+    except RuntimeError as error:
+        report["error"] = str(error)
+        return report
     model.to(device)
     try:
-        model(torch.randn(2, 8, device=device)).sum().backward()
+        model(x).sum().backward()
     except RuntimeError as error:
-        return (
-            "raised" if "Found following parameters on non-CPU device" in str(error) else str(error)
-        )
-    return "ran"
+        moved = "Found following parameters on non-CPU device" in str(error)
+        report["moved_to_device"] = "raised" if moved else str(error)
+        return report
+    report["moved_to_device"] = "ran"
+    return report
 
 
 def fake_four(device: torch.device) -> dict[str, Any]:

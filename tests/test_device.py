@@ -56,10 +56,15 @@ def test_one_rank_training(device: str) -> None:
     assert report["fp32_fsdp2_vs_torch"] <= TOL, report
     # Same casts, same kernels, one rank: the bf16 runs agree with torch to the bit.
     assert report["bf16_fsdp2_vs_torch"] == 0.0, report
-    # CPU offload keeps shards in CPU memory: moving them to an accelerator raises at the
-    # next forward (as torch), on the CPU nothing moves.
-    moved = report["offloaded_shards_moved_to_device"]
-    assert moved == ("raised" if device == "cuda" else "ran"), report
+    # CPU offload trains with shards, gradients and a full state dict in CPU memory;
+    # moving the shards to an accelerator raises at the next forward (as torch), on the
+    # CPU nothing moves.
+    offload = report["offload"]
+    assert "error" not in offload, offload
+    assert offload["grad_diff"] <= TOL, offload
+    assert offload["devices"] == ["cpu"], offload
+    assert offload["full_state_dict"] == ["cpu"], offload
+    assert offload["moved_to_device"] == ("raised" if device == "cuda" else "ran"), offload
     if device == "cuda":
         for key in ("fp32", "bf16"):
             # No memory kept across steps: once every model has its optimizer state (from

@@ -198,3 +198,60 @@ def test_offloaded_shards_moved_off_the_cpu_are_an_error() -> None:
     (message,) = run_ranks(offloaded_shard_reported_off_the_cpu, 1)
     assert "Found following parameters on non-CPU device: [('0.weight'" in message, message
     assert "CPUOffloadPolicy" in message, message
+
+
+def offload_on_a_mesh_of_another_device_type() -> dict:
+    """Rank function: CPU offload on an accelerator's mesh, with a stand-in (a CPU-only
+    build has no second device type): the mesh reports device type ``meta`` while
+    compute stays on the CPU. ``DTensor.from_local`` copies a local tensor of another
+    device type than the mesh's to the mesh's device, which left every offloaded shard
+    off the CPU (on CUDA: on the GPU, and the first forward raised "Found following
+    parameters on non-CPU device"). DTensor ops cannot run on the stand-in mesh, so the
+    steps are SGD on the local tensors, and the gradients are compared shard by shard
+    with the reference's. Returns the worst difference and where shards live."""
+    from unittest import mock
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+    import fsdp2._fully_shard
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    mesh._device_type = "meta"  # what the DTensors see; compute and collectives: CPU
+    ref = build_net()
+    policy = offload_policy("fsdp2", False)
+    with mock.patch.object(fsdp2._fully_shard, "mesh_device", lambda _: torch.device("cpu")):
+        model = shard_net(clone_model(ref), "fsdp2", mesh=mesh, offload_policy=policy)
+    states = [m._fsdp_state for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
+    bound = all(
+        p.points_into(group.flat_shard)
+        for state in states
+        for group in state.groups
+        for p in group.params
+    )
+    worst, devices = 0.0, set()
+    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    for step in range(2):
+        batch = global_batch(step, 2 * ws)
+        mse(ref, batch).backward()
+        mse(model, rank_slice(batch, rank, ws)).backward()
+        with torch.no_grad():
+            for name, p in params.items():
+                local, grad = p.to_local(), p.grad.to_local()
+                devices |= {local.device.type, grad.device.type}
+                rows = torch.chunk(ref_params[name], ws)[rank]
+                ref_rows = torch.chunk(ref_params[name].grad, ws)[rank]
+                worst = max(worst, (grad - ref_rows).abs().max().item())
+                worst = max(worst, (local - rows).abs().max().item())
+                local.sub_(0.1 * grad)
+                ref_params[name].sub_(0.1 * ref_params[name].grad)
+                ref_params[name].grad = p.grad = None
+    return {"bound": bound, "devices": sorted(devices), "worst": worst}
+
+
+def test_offloaded_shards_stay_on_the_cpu_on_an_accelerator_mesh() -> None:
+    for report in run_ranks(offload_on_a_mesh_of_another_device_type, 2):
+        assert report["bound"], "a sharded parameter's local tensor left the flat shard"
+        assert report["devices"] == ["cpu"], report["devices"]
+        assert report["worst"] <= TOL, report["worst"]
