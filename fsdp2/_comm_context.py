@@ -84,6 +84,12 @@ class CommContext:
         """Called after the compute stream's last use of all-gather-stream memory."""
         self.all_gather_release = record_event(self.streams.compute())
 
+    def order_all_gathers_after_compute(self) -> None:
+        """Make every later all-gather wait for the work queued on the compute stream so
+        far, after it wrote shards that the all-gather stream reads next (a write-back of
+        in-place changes). The same event as ``release_all_gather_memory``'s."""
+        self.all_gather_release = record_event(self.streams.compute())
+
     def check_same_collective(self, what: str, numel: int, group: dist.ProcessGroup) -> None:
         """With ``check_collectives``, raise a ``RuntimeError`` on every rank of ``group``
         unless all of them are about to issue the same collective (``what``, of ``numel``

@@ -91,6 +91,9 @@ import torch
 
 from fsdp2._param import ShardedParam
 
+if TYPE_CHECKING:
+    from fsdp2._comm_context import CommContext
+
 
 def outside_transforms(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``fn`` outside ``torch.func`` transforms (jvp, vmap, grad) and outside
@@ -173,6 +176,7 @@ class UnshardedUpkeep:
     _hold_hooks: list[Any]
 
     _all_gather: Any  # the all-gather in flight, if any
+    comm: CommContext | None  # set at the group's lazy init
     # ``ParamGroup``'s methods, and ``GradientReduction``'s name of the group.
     reshard: Callable[..., None]
     _require_unsharded_flat: Callable[[], torch.Tensor]
@@ -241,6 +245,11 @@ class UnshardedUpkeep:
             )
         for p, target in zip(self._gather_params, self._copy_out_targets, strict=True):
             p.write_back(target[self.shard_rank])
+        if self.comm is not None:
+            # The shards were written on the compute stream; this group's next all-gather
+            # reads them on the all-gather stream, which may have waited only for an
+            # event recorded before this write (at the copy-out).
+            self.comm.order_all_gathers_after_compute()
         self._unsharded_version = self._require_unsharded_flat()._version
         self._gathered_from = self._shard_version()
 

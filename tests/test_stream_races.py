@@ -38,13 +38,17 @@ DIM = 16
 class Block(nn.Module):
     """Two linears whose second one a step may skip (an unused parameter)."""
 
-    def __init__(self, use_checkpoint: bool) -> None:
+    def __init__(self, use_checkpoint: bool, edit: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(DIM, DIM)
         self.extra = nn.Linear(DIM, DIM)
         self.use_checkpoint = use_checkpoint
+        self.edit = edit
 
     def _body(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        if self.edit:  # an in-place change of the gathered weight (Embedding(max_norm))
+            with torch.no_grad():
+                self.lin.weight.mul_(0.999)
         y = torch.relu(self.lin(x))
         return y + self.extra(x) if use_extra else y
 
@@ -55,11 +59,15 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, use_checkpoint: bool = False, single_weight: bool = False) -> None:
+    def __init__(
+        self, use_checkpoint: bool = False, single_weight: bool = False, edit_last: bool = False
+    ) -> None:
         super().__init__()
         blocks: list[nn.Module] = [
-            nn.Linear(DIM, DIM, bias=False) if single_weight else Block(use_checkpoint)
-            for _ in range(3)
+            nn.Linear(DIM, DIM, bias=False)
+            if single_weight
+            else Block(use_checkpoint, edit=edit_last and i == 2)
+            for i in range(3)
         ]
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(DIM, 4)
@@ -116,6 +124,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "gradient-penalty": {"penalty": True},
     "gradient-penalty-no-reshard": {"penalty": True, "reshard_after_forward": False},
     "two-forwards": {"two_forwards": True},
+    # The last block's post-forward reshard writes the change back into its shards on
+    # the compute stream; its backward all-gather then reads them on the all-gather one.
+    "in-place-change-written-back": {"edit_last": True},
     "eval-between-steps": {"eval": True},
     "unused-and-frozen": {"unused": True, "frozen": True},
     "grads-kept-and-clipped": {"keep_grads": True, "clip": True},
@@ -186,7 +197,11 @@ def _loss(model: Any, case: dict[str, Any], step: int) -> torch.Tensor:
 
 def rank_sanitized_training(case: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
-    model: Any = Net(case.get("use_checkpoint", False), case.get("single_weight", False))
+    model: Any = Net(
+        case.get("use_checkpoint", False),
+        case.get("single_weight", False),
+        case.get("edit_last", False),
+    )
     if case.get("extensions"):
         for block in model.blocks:
             block.lin.weight = nn.Parameter(Gathered(block.lin.weight.detach()))
@@ -323,6 +338,11 @@ MUTATIONS = {
     # The all-gather stream waits for the events of the compute stream's last use of
     # its memory and (int reshard_after_forward) of the post-forward shard's copy.
     "all-gather-stream-events": ("reshard-to-2-of-4", "fsdp2._param_group:wait_event"),
+    # The next all-gather reads shards written back on the compute stream after it.
+    "write-back-before-all-gather": (
+        "in-place-change-written-back",
+        "fsdp2._comm_context:CommContext.order_all_gathers_after_compute",
+    ),
     # HSDP: the all-reduce waits for the reduce-scatter's result.
     "hsdp-all-reduce": ("hsdp", "fsdp2._grad_reduce:wait"),
 }
