@@ -56,6 +56,7 @@ class ReduceInFlight(NamedTuple):
     pending: PendingCollective
     has_grad: list[bool]  # per reduced parameter: got a local gradient
     positions: tuple[int, ...]  # where the reduced parameters sit in the group's params
+    averaged: bool  # reduced with ReduceOp.AVG (else summed, divided when finished)
 
 
 class CommContext:

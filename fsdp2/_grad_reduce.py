@@ -12,21 +12,22 @@ Ranks may use different parameters of one group in a step (mixture-of-experts ro
 optional branches), so a rank can reach a group's reduce-scatter without some gradients.
 Two things must then not depend on local gradients: the collective's size (else ranks
 disagree and hang), and whether a rank stores its shard of the reduced gradient (else the
-update that other ranks' gradients make to this rank's rows is lost). So which
-parameters are reduced is fixed by ``requires_grad`` (the trainable ones, packed in group
-order; see [Note: reducing only the trainable parameters]), a missing gradient
-contributes zeros, and each rank's chunk of the reduce-scatter input ends
-with one flag per parameter (1 if this rank had its gradient). After the sum, a rank stores
-a gradient if any rank had it; a parameter no rank used keeps ``grad is None``, like in
-non-sharded training. Only a rank that lacked some gradient itself reads them (a host sync
-on accelerators). A group with no gradient on any rank still reduces (zeros): the schedule
-of collectives must not depend on data. ``set_reduce_scatter_unused_params(True)`` makes
-every trainable parameter of a reducing group store its shard, zeros where no rank used
-it (torch's meaning of that switch: its unused parameters then join the reduce-scatter).
-The flags region of a chunk is padded with zeros to a multiple of
-``REDUCE_FLAG_ALIGN_BYTES`` (64); see [Note: padded gradient flags]. The flags cost that
-region per rank in each reduce-scatter input and once in the reduced gradients; nothing
-is kept between steps, and the buffer pool's slack is sized for them.
+update that other ranks' gradients make to this rank's rows is lost). So which parameters
+are reduced is fixed by ``requires_grad`` (the trainable ones, packed in group order; see
+[Note: reducing only the trainable parameters]), a missing gradient contributes zeros,
+and each rank's chunk of the reduce-scatter input ends with one flag per parameter (1 if
+this rank had its gradient). After the reduction (a sum or an average: nonzero either
+way), a rank stores a gradient if any rank had it; a parameter no rank used keeps ``grad
+is None``, like in non-sharded training. Only a rank that lacked some gradient itself
+reads them (a host sync on accelerators). A group with no gradient on any rank still
+reduces (zeros): the schedule of collectives must not depend on data.
+``set_reduce_scatter_unused_params(True)`` makes every trainable parameter of a reducing
+group store its shard, zeros where no rank used it (torch's meaning of that switch: its
+unused parameters then join the reduce-scatter). The flags region of a chunk is padded
+with zeros to a multiple of ``REDUCE_FLAG_ALIGN_BYTES`` (64); see [Note: padded gradient
+flags]. The flags cost that region per rank in each reduce-scatter input and once in the
+reduced gradients; nothing is kept between steps, and the buffer pool's slack is sized
+for them.
 
 [Note: padded gradient flags]
 The flags lengthen each rank's chunk of the reduce-scatter input from torch's ``S``
@@ -94,13 +95,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.tensor import DTensor
 
 from fsdp2._collectives import PendingCollective, all_reduce_flat, reduce_scatter_flat, wait
 from fsdp2._comm_context import CommContext, ReduceInFlight
 from fsdp2._param import ShardedParam
-from fsdp2._stream_utils import Stream, record_event, use_stream, wait_stream
+from fsdp2._stream_utils import Stream, record_event, use_stream, wait_event, wait_stream
 
 
 class GradientReduction:
@@ -125,7 +126,7 @@ class GradientReduction:
     replicate_size: int
     reduce_dtype: torch.dtype | None
     _reduce_sizes: list[int]
-    _partial_reduce: tuple[torch.Tensor, tuple[int, ...]] | None
+    _partial_reduce: tuple[torch.Tensor, tuple[int, ...], float] | None
     comm: CommContext | None
     grads_unsynced: bool
     requires_gradient_sync: bool
@@ -220,20 +221,26 @@ class GradientReduction:
             else:
                 rows.append(p.as_rows(grad))
         # One "had a gradient" flag per parameter, repeated in every rank's chunk: after
-        # the sum each rank knows how many ranks had each gradient, for free. The region
-        # is zero-padded to keep torch's summation order ([Note: padded gradient flags]).
+        # the reduction each rank knows whether any rank had each gradient, for free. The
+        # region is zero-padded to keep torch's summation order ([Note: padded gradient
+        # flags]).
         # The common case (every gradient present) fills on the device: no host-to-device
         # copy, and nothing kept between steps (the flags cost memory only inside the
         # collective's buffers).
+        # The flags take the gradients' dtype when they share one (0 and 1 are exact in
+        # any), so one ``_chunk_cat`` copies and casts everything; a contiguous
+        # ``(ws, flags)`` block keeps that kernel on its fast path on accelerators.
         has_grad = [g is not None for g in grads]
         flag_numel = self.flag_numel(count, reduce_dtype)
+        row_dtypes = {t.dtype for t in rows}
+        flag_dtype = row_dtypes.pop() if len(row_dtypes) == 1 else reduce_dtype
         if all(has_grad):
-            flags = torch.zeros(flag_numel, dtype=reduce_dtype, device=self.device)
-            flags[:count].fill_(1)
+            flags = torch.zeros(ws, flag_numel, dtype=flag_dtype, device=self.device)
+            flags[:, :count].fill_(1)
         else:
             padded = has_grad + [False] * (flag_numel - count)
-            flags = torch.tensor(padded, dtype=reduce_dtype, device=self.device)
-        rows.append(flags.expand(ws, -1))
+            flags = torch.tensor(padded, dtype=flag_dtype, device=self.device).expand(ws, -1)
+        rows.append(flags)
         numel = self._packed_offsets(positions)[-1] + flag_numel
         comm = self._require_comm()
         compute = comm.streams.compute()
@@ -254,11 +261,14 @@ class GradientReduction:
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
             rs_input.div_(predivide)
+        averaged = self.averages_in_collectives(reduce_dtype)
         stream = comm.streams.reduce_scatter
         wait_stream(stream, compute)  # the gradients were produced on the compute stream
         if ws == 1:  # one rank: the input is the reduced shard (torch issues no collective)
             done = PendingCollective(None, record_event(stream))
-            in_flight = ReduceInFlight(self, rs_input, rs_input, done, has_grad, positions)
+            in_flight = ReduceInFlight(
+                self, rs_input, rs_input, done, has_grad, positions, averaged
+            )
             comm.reduces.append(in_flight)
             return
         with use_stream(stream):
@@ -269,14 +279,17 @@ class GradientReduction:
             group = self.reduce_scatter_group or self.process_group
             what = f"reduce-scatter of the gradients of {self.where}"
             comm.check_same_collective(what, rs_input.numel(), group)
+            op = ReduceOp.AVG if averaged else ReduceOp.SUM
             pending = reduce_scatter_flat(
-                rs_output, rs_input, group, stream, custom=custom, what=what
+                rs_output, rs_input, group, stream, op=op, custom=custom, what=what
             )
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None
         del rs_input
-        in_flight = ReduceInFlight(self, kept_input, rs_output, pending, has_grad, positions)
+        in_flight = ReduceInFlight(
+            self, kept_input, rs_output, pending, has_grad, positions, averaged
+        )
         comm.reduces.append(in_flight)
 
     def accumulate_unsynced(self) -> None:
@@ -333,18 +346,19 @@ class GradientReduction:
     ) -> None:
         """Fill ``out`` (``ws`` rank rows of the reduce-scatter input) from ``rows`` (see
         ``reduce_grads``; one per parameter of ``reduced``, then the flags) in one kernel:
-        chunk, pad and copy every gradient at once. When every gradient is already in
-        ``out``'s dtype that kernel is ``torch._chunk_cat``, which pads uneven chunks
-        itself; otherwise one ``torch.cat`` also casts, after padding uneven gradients (one
-        extra copy each) to whole chunks. Zero-size parameters own no columns of ``out``
+        chunk, pad and copy every gradient at once. When every row has one dtype (bf16
+        gradients reduced in fp32 included) that kernel is ``torch._chunk_cat``, which pads
+        uneven chunks and casts to ``out``'s dtype itself; otherwise (a group of mixed
+        dtypes) one ``torch.cat`` also casts, after padding uneven gradients (one extra
+        copy each) to whole chunks. Zero-size parameters own no columns of ``out``
         and are left out (neither kernel takes an empty tensor)."""
         ws = self.world_size
         if any(p.padded_numel == 0 for p in reduced):
             kept = [i for i, p in enumerate(reduced) if p.padded_numel]
             reduced = [reduced[i] for i in kept]
             rows = [rows[i] for i in kept] + [rows[-1]]
-        if _chunk_cat is not None and all(t.dtype == out.dtype for t in rows):
-            _chunk_cat(rows, dim=0, num_chunks=ws, out=out)
+        if _chunk_cat is not None and len({t.dtype for t in rows}) == 1:
+            _chunk_cat(rows, dim=0, num_chunks=ws, out=out)  # casts to ``out``'s dtype
             return
         chunks: list[torch.Tensor] = []
         for p, t in zip(reduced, rows[:-1], strict=True):
@@ -365,14 +379,17 @@ class GradientReduction:
         predivide = self.predivide_factor(output.dtype)
         positions = in_flight.positions
         if self.replicate_group is not None:
-            summed = self._all_reduce_replicas(output, positions, self.replicate_group)
+            summed = self._all_reduce_replicas(
+                output, positions, self.replicate_group, in_flight.pending, in_flight.averaged
+            )
             if summed is None:
                 return  # accumulated locally until the next step that all-reduces
             output, positions = summed
         count = len(positions)
         reduced = [self.params[i] for i in positions]
-        # The flags: how many ranks (and replicas) had each gradient. Zero means no rank
-        # used the parameter: its gradient stays None, as in non-sharded training.
+        # The flags: the sum (or average) over ranks and replicas of "had the gradient".
+        # Zero means no rank used the parameter: its gradient stays None, as in
+        # non-sharded training.
         offsets = self._packed_offsets(positions)
         grads_numel = offsets[-1]
         flags, output = output[grads_numel : grads_numel + count], output[:grads_numel]
@@ -388,7 +405,7 @@ class GradientReduction:
             got_grad = [p.sharded_param.requires_grad for p in reduced]
         else:
             got_grad = has_grad if local_proof else (flags != 0).tolist()
-        factor = self.divide_factor() / predivide
+        factor = 1.0 if in_flight.averaged else self.divide_factor() / predivide
         # The all-reduce hook sees what torch's hook sees: the average when the division
         # counts as part of the collective (AVG for fp32/bf16), the undivided sum when
         # division is a separate step (force-sum, or fp16's split pre/post division).
@@ -453,16 +470,32 @@ class GradientReduction:
         return shards
 
     def _all_reduce_replicas(
-        self, output: torch.Tensor, positions: tuple[int, ...], replicate_group: ProcessGroup
+        self,
+        output: torch.Tensor,
+        positions: tuple[int, ...],
+        replicate_group: ProcessGroup,
+        reduce_scatter: PendingCollective,
+        averaged: bool,
     ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         """HSDP: sum the reduce-scattered shard (the gradients of the parameters at
         ``positions``, then their flags) over replicas, or keep it for later when
         ``requires_all_reduce`` is off. Returns the summed output and the positions it
-        covers; ``None`` means nothing to assign yet."""
+        covers; ``None`` means nothing to assign yet.
+
+        On an accelerator the all-reduce waits only for ``reduce_scatter`` (the event of
+        the collective that produced ``output``), not for the compute stream: by now that
+        stream holds the next blocks' backward, and waiting for it would leave the
+        all-reduce no compute to overlap. Only partial sums added here (on the compute
+        stream) make it wait for the compute stream."""
         kept = self._partial_reduce
         self._partial_reduce = None
+        written_on_compute = kept is not None
+        # What the reduce-scatter divided by: its group's size (AVG), or the pre-division.
+        divided_by = float(self.world_size) if averaged else self.predivide_factor(output.dtype)
         if kept is not None:
-            partial, partial_positions = kept
+            partial, partial_positions, partial_divided_by = kept
+            if partial_divided_by != divided_by:  # the divisor switches changed in between
+                partial = partial * (partial_divided_by / divided_by)
             if partial_positions != positions or partial.dtype != output.dtype:
                 # See [Note: partial sums across changing layouts].
                 dtype = torch.promote_types(partial.dtype, output.dtype)
@@ -471,14 +504,18 @@ class GradientReduction:
                 positions = tuple(range(len(self.params)))
             output.add_(partial)
         if not self.requires_all_reduce:
-            self._partial_reduce = (output, positions)
+            self._partial_reduce = (output, positions, divided_by)
             return None
         comm = self._require_comm()
         stream = comm.streams.all_reduce
-        wait_stream(stream, comm.streams.compute())
+        if written_on_compute:
+            wait_stream(stream, comm.streams.compute())
+        else:  # waited for on the CPU already (``finish_reduce``): the event only
+            wait_event(stream, reduce_scatter.event)
         what = f"all-reduce of the gradients of {self.where}"
         comm.check_same_collective(what, output.numel(), replicate_group)
-        pending = all_reduce_flat(output, replicate_group, stream, what=what)
+        op = ReduceOp.AVG if averaged else ReduceOp.SUM
+        pending = all_reduce_flat(output, replicate_group, stream, op=op, what=what)
         wait(pending, comm.streams.compute())
         return output, positions
 
@@ -501,6 +538,22 @@ class GradientReduction:
             whole[at : at + size].copy_(output[offsets[j] : offsets[j + 1]])
             whole[whole_numel + i] = output[offsets[-1] + j]
         return whole
+
+    def averages_in_collectives(self, reduce_dtype: torch.dtype) -> bool:
+        """Whether the reduce-scatter (and HSDP's all-reduce) average (``ReduceOp.AVG``),
+        as torch's ``fully_shard`` does for fp32 and bf16 reductions with the default
+        divisor: no division kernel afterwards, and on NCCL, which averages floats by
+        scaling each rank's input before the sum, torch's rounding (gloo divides the
+        sum, as the division after a SUM would). Otherwise the collectives sum and
+        ``finish_reduce`` divides once. Backends without AVG:
+        ``set_force_sum_reduction_for_comms(True)``."""
+        return (
+            reduce_dtype in (torch.float32, torch.bfloat16)
+            and self.gradient_divide_factor is None
+            and not self.force_sum_reduction
+            # torch: NCCL's AVG may be wrong on one rank; nothing to divide there anyway.
+            and self.world_size * self.replicate_size > 1
+        )
 
     def predivide_factor(self, reduce_dtype: torch.dtype | None = None) -> float:
         """Low-precision sums can overflow and per-rank quotients underflow: divide by a

@@ -147,8 +147,9 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         self.shard_rank = mesh.get_local_rank(shard_dim)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
-        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced.
-        self._partial_reduce: tuple[torch.Tensor, tuple[int, ...]] | None = None
+        # HSDP with set_requires_all_reduce(False): reduce-scattered, not yet all-reduced
+        # (the sums, their positions, and what the reduce-scatter divided them by).
+        self._partial_reduce: tuple[torch.Tensor, tuple[int, ...], float] | None = None
         self.mp_policy = mp_policy
         pairs = list(zip(params, full_params))  # _plan_layout may reorder ``params``
         self._plan_layout([p.dtype for p in full_params], [p.requires_grad for p in full_params])

@@ -352,3 +352,44 @@ def test_reduce_unsynced_grads_all_reduces_partial_sums() -> None:
     require_impl("fsdp2")
     worst = run_ranks(rank_partial_sums_reduced_by_reduce_unsynced_grads, 4)
     assert max(worst) <= 1e-6, worst
+
+
+def rank_partial_sums_across_a_divisor_switch(avg_first: bool) -> float:
+    """HSDP 2x2 accumulation with ``set_requires_all_reduce(False)`` whose divisor switches
+    between microbatches: the default (the collectives average) on one, sum-only collectives
+    (the same average, divided after the sums) on the other. The partial sums kept from the first must be rescaled to the second's
+    convention before they are added. Returns the largest gradient difference from a
+    non-sharded model (inf: a gradient is missing)."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fsdp2.fully_shard(model[0], mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    batches = torch.randn(2, ws, 3, 4)
+    for micro in range(2):
+        summing = (micro == 0) != avg_first
+        for module in (model[0], model):
+            module.set_force_sum_reduction_for_comms(summing)
+        model.set_requires_all_reduce(micro == 1)
+        model(batches[micro, rank]).sum().backward()
+        for r in range(ws):
+            (reference(batches[micro, r]).sum() / ws).backward()
+    _, worst, missing = compare_grads(reference, model)
+    return float("inf") if missing else worst
+
+
+@pytest.mark.parametrize("avg_first", [True, False], ids=["avg_then_sum", "sum_then_avg"])
+def test_partial_sums_across_a_divisor_switch(avg_first: bool) -> None:
+    require_impl("fsdp2")
+    worst = run_ranks(rank_partial_sums_across_a_divisor_switch, 4, avg_first)
+    assert max(worst) <= 1e-6, worst

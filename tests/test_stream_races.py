@@ -343,8 +343,10 @@ MUTATIONS = {
         "in-place-change-written-back",
         "fsdp2._comm_context:CommContext.order_all_gathers_after_compute",
     ),
-    # HSDP: the all-reduce waits for the reduce-scatter's result.
+    # HSDP: the compute stream waits for the reduce-scatter's and all-reduce's results.
     "hsdp-all-reduce": ("hsdp", "fsdp2._grad_reduce:wait"),
+    # HSDP: the all-reduce waits for the reduce-scatter's result (its event only).
+    "hsdp-all-reduce-after-reduce-scatter": ("hsdp", "fsdp2._grad_reduce:wait_event"),
 }
 
 
