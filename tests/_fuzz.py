@@ -85,6 +85,36 @@ parameter object the module holds then), in the reference too. From ``INFERENCE_
 forward before the first step in half the cases (Lightning's sanity check: lazy init then
 happens there).
 
+From seed ``CONTROL_FROM`` (10000) on (keys absent before), ``FSDPModule`` control knobs,
+each drawn independently in about half the cases and applied alike to both implementations
+(so parity with torch and with the reference must hold); three cases in four also drop what
+torch fails on or is off the reference with (``penalty``, inference-mode evals, ``toggle``,
+``ext_pad=False``), so the knobs are compared with torch:
+
+* ``offload``: ``CPUOffloadPolicy(pin_memory=False)`` (each implementation's class) passed
+  to every ``fully_shard`` call;
+* ``prefetch``: None or ``{"fwd": {i: [j, ...]}, "bwd": {i: [j, ...]}}`` by ``plan`` index
+  (a list group by its first module): ``set_modules_to_forward_prefetch`` on entry ``i``
+  with the next 0, 1 or 2 entries in plan order, ``set_modules_to_backward_prefetch``
+  with the previous 0, 1 or 2 (nearest first); an empty list turns implicit prefetching
+  off for that module;
+* ``rab_accum`` (with ``accum``): ``"rab"``: ``set_reshard_after_backward(False)`` on the
+  root before the first microbatch, ``True`` before the last (torch's documented
+  accumulation pattern; never left False across an optimizer step); ``"rab_last"``: also
+  ``set_is_last_backward(False)`` / ``True`` alike; None: neither;
+* ``async_unshard``: ``{step: (wait, i)}``: before that step's (first) forward, after
+  ``ops`` and a ``"pre"`` discarded forward, ``root.unshard(async_op=True)``, and on
+  ``plan`` entry ``i`` too unless ``i`` is None; ``wait``: wait for the handles there,
+  else the forward does;
+* ``divide``: None or a factor f (1 or twice the world size):
+  ``set_gradient_divide_factor(f)`` and ``set_force_sum_reduction_for_comms(True)`` on
+  every sharded module (gloo has no ``PREMUL_SUM``, which torch uses for a factor without
+  forced sums). A gradient is then the sum over every data-parallel rank (replicas
+  included) divided by f: the reference's gradients are multiplied by ``ws / f`` after
+  backward. f is 1 where a per-parameter mesh has shard groups of one rank (torch then
+  divides twice with forced sums: its single-rank copy divides, then the post-reduction
+  division again).
+
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
@@ -174,6 +204,10 @@ TOGGLE_FROM = 9000
 # From this seed on, half the cases run their eval forwards under ``torch.inference_mode()``
 # instead of ``no_grad`` (``eval_mode``).
 INFERENCE_FROM = 9500
+# From this seed on, cases draw FSDPModule control knobs and policies applied alike to both
+# implementations (``offload``, ``prefetch``, ``rab_accum``, ``async_unshard``, ``divide``),
+# and most of them leave out what torch's ``fully_shard`` fails on (``_draw_control``).
+CONTROL_FROM = 10000
 
 # Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
 # ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
@@ -574,7 +608,54 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         eval_rng = random.Random(seed * 15485863 + 7)
         case["eval_mode"] = eval_rng.choice(["no_grad", "inference"])
         case["eval_first"] = eval_rng.random() < 0.5
+    if seed >= CONTROL_FROM:
+        _draw_control(case, overrides, random.Random(seed * 179424673 + 113))
     return case
+
+
+def _draw_control(case: dict, overrides: dict, rng: random.Random) -> None:
+    """The control knobs of seeds from ``CONTROL_FROM`` on (a key in ``overrides`` is kept;
+    every value is drawn whether or not it is used, so one key's override does not move
+    the others)."""
+    drawn: dict[str, Any] = {}
+    # Three cases in four leave out what torch's fully_shard fails on or is off the
+    # reference with (penalty, inference-mode evals, toggle, extensions that leave padding
+    # to fsdp2), so that the knobs are compared with torch too (the other cases are checked
+    # against the reference alone).
+    if rng.random() < 0.75:
+        drawn.update(penalty=False, eval_mode="no_grad", toggle={}, ext_pad=True)
+    drawn["offload"] = rng.random() < 0.5
+    n = len(case["plan"])
+    fwd: dict[int, list[int]] = {}
+    bwd: dict[int, list[int]] = {}
+    for i in range(n):
+        if rng.random() < 0.5:  # the next 0, 1 or 2 entries in plan order
+            fwd[i] = list(range(i + 1, min(n, i + 1 + rng.choice([0, 1, 1, 2]))))
+        if rng.random() < 0.5:  # the previous 0, 1 or 2, nearest first
+            bwd[i] = list(range(i - 1, max(-1, i - 1 - rng.choice([0, 1, 1, 2])), -1))
+    use_prefetch = rng.random() < 0.5 and (fwd or bwd)
+    drawn["prefetch"] = {"fwd": fwd, "bwd": bwd} if use_prefetch else None
+    rab = rng.choice(["rab", "rab_last"])
+    drawn["rab_accum"] = rab if case["accum"] and rng.random() < 0.5 else None
+    async_steps: dict[int, tuple[bool, int | None]] = {}
+    use_async = rng.random() < 0.5
+    for s in range(case["steps"]):
+        wait, other = rng.random() < 0.5, rng.randrange(n)
+        extra = other if other != n - 1 and rng.random() < 0.5 else None
+        if use_async and rng.random() < 0.7:
+            async_steps[s] = (wait, extra)
+    drawn["async_unshard"] = async_steps
+    factor = rng.choice([1.0, 2.0 * case["ws"]])
+    # torch divides twice where a shard group is one rank and sums are forced (its
+    # single-rank copy divides, and so does the post-reduction division): a factor of 1
+    # only, where a per-parameter mesh has shard groups of one rank.
+    single = [n for named in case.get("param_mesh") or () for n in (named or {}).values()]
+    if any(_param_mesh_shard_size(case["ws"], n) == 1 for n in single):
+        factor = 1.0
+    drawn["divide"] = factor if rng.random() < 0.5 else None
+    for key, value in drawn.items():
+        if key not in overrides:
+            case[key] = value
 
 
 def _gen_toggle(model: nn.Module, case: dict, rng: random.Random) -> dict[int, list[str]]:
@@ -872,8 +953,10 @@ def describe(case: dict) -> str:
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
     keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
     keys += ["ext_pad", "meta_load", "penalty", "toggle", "eval_mode", "eval_first"]
+    keys += ["offload", "rab_accum", "divide"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
     listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops", "ext")
+    listed += ("prefetch", "async_unshard")
     lines += [f"{k}={case[k]!r}" for k in listed if k in case]
     return "\n".join(lines)
 
@@ -908,6 +991,17 @@ def features(case: dict) -> set[str]:
     out |= {"meta_load"} if _meta_load(case) else set()
     out |= {"penalty"} if case.get("penalty") else set()
     out |= {"toggle"} if case.get("toggle") else set()
+    out |= {"offload"} if case.get("offload") else set()
+    out |= {f"divide_{case['divide']:g}"} if case.get("divide") else set()
+    out |= {f"{case['rab_accum']}_accum"} if case.get("rab_accum") else set()
+    prefetch = case.get("prefetch") or {}
+    for way in ("fwd", "bwd"):
+        lists = prefetch.get(way, {}).values()
+        out |= {f"prefetch_{way}"} if any(lists) else set()
+        out |= {f"prefetch_{way}_empty"} if any(not t for t in lists) else set()
+    for wait, extra in (case.get("async_unshard") or {}).values():
+        out.add("async_unshard_" + ("wait" if wait else "nowait"))
+        out |= {"async_unshard_nonroot"} if extra is not None else set()
     if case["accum"] and case.get("accum_mode", "gradient_sync") != "gradient_sync":
         out.add(f"accum_{case['accum_mode']}")
     dims = [d for dims in case.get("shard_dims") or [] if dims for d in dims.values()]
@@ -1012,12 +1106,16 @@ def shard(
         import fsdp2
 
         fully_shard, policy_cls = fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy
+        offload_cls: Any = fsdp2.CPUOffloadPolicy
     else:
+        from torch.distributed.fsdp import CPUOffloadPolicy as offload_cls
         from torch.distributed.fsdp import MixedPrecisionPolicy as policy_cls
         from torch.distributed.fsdp import fully_shard
     kwargs: dict[str, Any] = {"mesh": mesh}
     if case["mp"]:
         kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case.get("offload"):
+        kwargs["offload_policy"] = offload_cls(pin_memory=False)
     fqns = {}
     for name, p in model.named_parameters():
         fqns.setdefault(id(p), name)
@@ -1040,6 +1138,26 @@ def shard(
         fully_shard(
             modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **kwargs
         )
+    _set_controls(case, model)
+
+
+def _set_controls(case: dict, model: nn.Module) -> None:
+    """The per-module knobs of ``CONTROL_FROM``, after every ``fully_shard`` call: explicit
+    prefetch lists (``prefetch``, by ``plan`` index; a list group by its first module) and
+    the gradient divide factor (``divide``, on every sharded module, with sum-only
+    collectives: gloo has no ``PREMUL_SUM``, which torch would use otherwise)."""
+    entries = [model.get_submodule(names[0]) for names, _ in case["plan"]]
+    prefetch = case.get("prefetch") or {}
+    for i, targets in prefetch.get("fwd", {}).items():
+        entries[i].set_modules_to_forward_prefetch([entries[j] for j in targets])
+    for i, targets in prefetch.get("bwd", {}).items():
+        entries[i].set_modules_to_backward_prefetch([entries[j] for j in targets])
+    if case.get("divide"):
+        for names, _ in case["plan"]:
+            for name in names:
+                module = model.get_submodule(name)
+                module.set_gradient_divide_factor(case["divide"])
+                module.set_force_sum_reduction_for_comms(True)
 
 
 def _placement(
@@ -1134,6 +1252,17 @@ def _apply_ops(model: nn.Module, ops: list[tuple[str, str, str]], when: str) -> 
             module.reshard()
 
 
+def _async_unshard(case: dict, model: nn.Module, wait: bool, extra: int | None) -> None:
+    """``unshard(async_op=True)`` on the root, and on plan entry ``extra`` (a list group by
+    its first module); ``wait``: wait for the handles, else leave it to the forward."""
+    modules = [model] + ([] if extra is None else [model.get_submodule(case["plan"][extra][0][0])])
+    handles = [m.unshard(async_op=True) for m in modules]
+    if wait:
+        for handle in handles:
+            if handle is not None:
+                handle.wait()
+
+
 def _discarded_forward(case: dict, model: nn.Module, step: int, rows: slice) -> None:
     """A forward with grad enabled whose loss is never backpropagated (logging, say)."""
     x, y = (t[rows] for t in make_batch(case, step, 0, "discard"))
@@ -1173,6 +1302,8 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
             _apply_ops(model, case["ops"][step], "pre")
         if case["discard_fwd"].get(step) == "pre":
             _discarded_forward(case, model, step, rows)
+        if sharded and step in case.get("async_unshard", {}):
+            _async_unshard(case, model, *case["async_unshard"][step])
         losses = []
         for mb in range(microbatches):
             x, y = (t[rows] for t in make_batch(case, step, mb))
@@ -1184,6 +1315,10 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
                     model.set_requires_gradient_sync(last)
                 if mode in ("all_reduce", "both"):
                     model.set_requires_all_reduce(last)
+                if case.get("rab_accum"):  # keep gathered between microbatches
+                    model.set_reshard_after_backward(last)
+                if case.get("rab_accum") == "rab_last":
+                    model.set_is_last_backward(last)
             out = model(x)
             loss = _loss(case, out, y)
             if case.get("penalty"):
@@ -1197,6 +1332,10 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
                 if loss.requires_grad:
                     loss.backward()
         del losses, loss
+        if not sharded and case.get("divide"):  # the sharded sum over ranks / factor
+            for _, p in named:
+                if p.grad is not None:
+                    p.grad.mul_(case["ws"] / case["divide"])
         if case["discard_fwd"].get(step) == "post":
             _discarded_forward(case, model, step, rows)
         if sharded:

@@ -229,7 +229,14 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # of the weight saved in forward), 7039 (no extension: a list group, two forwards then two
 # backwards, resharded after its first module's backward), 7005 (HSDP, bf16, accumulation
 # with extension weights), 7057 and 7077 (hooks that leave padding to fsdp2, 3 ranks,
-# checkpointing, bf16). They take about 15 s on 2 cores.
+# checkpointing, bf16). From ``_fuzz.CONTROL_FROM`` (``FSDPModule`` control knobs, alike in
+# both implementations): 10010 (CPU offload, explicit forward and backward prefetch lists,
+# empty ones too, ``set_reshard_after_backward(False)`` between microbatches), 10017 (4 ranks,
+# ``unshard(async_op=True)`` on the root and a block, waited for or left to the forward, a
+# divide factor of twice the world size with sum-only collectives), 10018 (3 ranks, offload,
+# ``set_is_last_backward`` with ``set_reshard_after_backward`` between microbatches), 10023
+# (offload, prefetch lists, an async unshard left to the forward, a divide factor of 1).
+# They take about 25 s on 2 cores.
 SEEDS = [
     2,
     29,
@@ -261,6 +268,10 @@ SEEDS = [
     7039,
     7057,
     7077,
+    10010,
+    10017,
+    10018,
+    10023,
 ]
 
 FEATURES = {
@@ -278,6 +289,10 @@ FEATURES = {
     "loss_ce", "loss_mse",
     "op_unshard_keep_pre", "op_unshard_keep_post", "op_unshard_reshard_pre",
     "op_unshard_reshard_post", "op_reshard_pre", "op_reshard_post",
+    # FSDPModule control knobs (``_fuzz.CONTROL_FROM``)
+    "offload", "divide_1", "divide_8", "prefetch_fwd", "prefetch_bwd", "prefetch_fwd_empty",
+    "prefetch_bwd_empty", "rab_accum", "rab_last_accum", "async_unshard_wait",
+    "async_unshard_nowait", "async_unshard_nonroot",
 }  # fmt: skip
 
 
