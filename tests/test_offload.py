@@ -209,6 +209,7 @@ def offload_on_a_mesh_of_another_device_type() -> dict:
     parameters on non-CPU device"). DTensor ops cannot run on the stand-in mesh, so the
     steps are SGD on the local tensors, and the gradients are compared shard by shard
     with the reference's. Returns the worst difference and where shards live."""
+    from types import SimpleNamespace
     from unittest import mock
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -221,7 +222,13 @@ def offload_on_a_mesh_of_another_device_type() -> dict:
     mesh._device_type = "meta"  # what the DTensors see; compute and collectives: CPU
     ref = build_net()
     policy = offload_policy("fsdp2", False)
-    with mock.patch.object(fsdp2._fully_shard, "mesh_device", lambda _: torch.device("cpu")):
+    # torch >= 2.14 prices redistributions by the mesh's devices per host, read from the
+    # device type's module (``torch.<type>``), which ``meta`` lacks.
+    handle = SimpleNamespace(device_count=lambda: ws)
+    with (
+        mock.patch.object(fsdp2._fully_shard, "mesh_device", lambda _: torch.device("cpu")),
+        mock.patch.object(torch, "meta", handle, create=True),
+    ):
         model = shard_net(clone_model(ref), "fsdp2", mesh=mesh, offload_policy=policy)
     states = [m._fsdp_state for m in model.modules() if isinstance(m, fsdp2.FSDPModule)]
     bound = all(
