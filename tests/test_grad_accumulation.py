@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -316,11 +317,9 @@ def test_optimizer_step_after_backward_not_flagged_last(impl: str) -> None:
     assert max(worst) <= 1e-6, worst
 
 
-def rank_partial_sums_reduced_by_reduce_unsynced_grads() -> float:
-    """HSDP 2x2: every microbatch reduce-scatters without the all-reduce, then
-    ``reduce_unsynced_grads`` (what ``fsdp2.pipelining``'s stage calls at the end of a
-    schedule) with the all-reduce switched back on must all-reduce the partial sums. Returns
-    the largest gradient difference from a non-sharded model (inf: a gradient is missing)."""
+def _hsdp_mlp_2x2() -> tuple[Any, Any, Any]:
+    """A two-group MLP sharded on a 2x2 HSDP mesh, a non-sharded copy, and two microbatches
+    of the global batch (``[micro, rank]``)."""
     import copy
 
     import torch
@@ -335,8 +334,16 @@ def rank_partial_sums_reduced_by_reduce_unsynced_grads() -> float:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     fsdp2.fully_shard(model[0], mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
+    return model, reference, torch.randn(2, dist.get_world_size(), 3, 4)
+
+
+def rank_partial_sums_reduced_by_reduce_unsynced_grads() -> float:
+    """HSDP 2x2: every microbatch reduce-scatters without the all-reduce, then
+    ``reduce_unsynced_grads`` (what ``fsdp2.pipelining``'s stage calls at the end of a
+    schedule) with the all-reduce switched back on must all-reduce the partial sums. Returns
+    the largest gradient difference from a non-sharded model (inf: a gradient is missing)."""
+    model, reference, batches = _hsdp_mlp_2x2()
     ws, rank = dist.get_world_size(), dist.get_rank()
-    batches = torch.randn(2, ws, 3, 4)
     model.set_requires_all_reduce(False)
     for micro in range(2):
         model(batches[micro, rank]).sum().backward()
@@ -357,25 +364,11 @@ def test_reduce_unsynced_grads_all_reduces_partial_sums() -> None:
 def rank_partial_sums_across_a_divisor_switch(avg_first: bool) -> float:
     """HSDP 2x2 accumulation with ``set_requires_all_reduce(False)`` whose divisor switches
     between microbatches: the default (the collectives average) on one, sum-only collectives
-    (the same average, divided after the sums) on the other. The partial sums kept from the first must be rescaled to the second's
-    convention before they are added. Returns the largest gradient difference from a
-    non-sharded model (inf: a gradient is missing)."""
-    import copy
-
-    import torch
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import fsdp2
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    reference = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    fsdp2.fully_shard(model[0], mesh=mesh)
-    fsdp2.fully_shard(model, mesh=mesh)
+    (the same average, divided after the sums) on the other. The partial sums kept from the
+    first must be rescaled to the second's convention before they are added. Returns the
+    largest gradient difference from a non-sharded model (inf: a gradient is missing)."""
+    model, reference, batches = _hsdp_mlp_2x2()
     ws, rank = dist.get_world_size(), dist.get_rank()
-    batches = torch.randn(2, ws, 3, 4)
     for micro in range(2):
         summing = (micro == 0) != avg_first
         for module in (model[0], model):
