@@ -186,6 +186,34 @@ def test_cuda_mode_fails_clearly_without_gpu() -> None:
         compare.main(["--device", "cuda", "--quick"])
 
 
+def test_gpu_session_script_runs_to_the_missing_device(tmp_path: Path) -> None:
+    """benchmarks/gpu_session.sh, the prepared run for a session lent a GPU, gets through its
+    setup, the test selection and the benchmark's arguments on a CPU-only machine, and stops
+    at the missing device (so a flag or path that drifted fails here, not on the GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_session.sh"
+    done = subprocess.run(
+        ["bash", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    tests_log = (tmp_path / "gpu_tests.log").read_text()
+    assert "2 skipped, 2 deselected" in tests_log, tests_log
+    bench_log = (tmp_path / "gpu_bench.log").read_text()
+    assert "--device cuda: no CUDA device is visible" in bench_log, bench_log
+    assert "torch " in (tmp_path / "environment.txt").read_text()
+
+
 def test_gpu_config_only_on_accelerators_and_its_target() -> None:
     from benchmarks.configs import default_config_names
     from benchmarks.targets import targets

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU checks in one prepared run, for a session that is lent a GPU (one H100/H200 with
+# torch + CUDA already installed, no network). It needs no install: fsdp2 is pure Python and
+# runs from this checkout. It writes its logs, the JSON and the markdown report under $OUT
+# (the device tool's output folder) or benchmarks/results/gpu:
+#
+#   1. the CUDA cases of tests/test_device.py (NCCL world size 1, and the fake process group
+#      with CUDA tensors): parity with torch and the non-sharded model, CPU offload, no memory
+#      kept across steps;
+#   2. the GPU step-time and memory target: benchmarks/compare.py --device cuda --config gpu-1b
+#      (a ~0.94B-parameter Llama, bf16, one 2048-token sequence per step), fsdp2 against
+#      torch's fully_shard in one run, then the report.
+#
+# Each part has its own time limit, so the whole run ends within about 8 minutes; a part that
+# fails does not stop the next one. Usage (device tool): bash benchmarks/gpu_session.sh
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-benchmarks/results/gpu}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+
+{
+    date -u
+    git log -1 --format='commit %h %s' 2>/dev/null || echo "commit: unknown (not a git checkout)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)'
+} 2>&1 | tee "$out/environment.txt"
+
+status=0
+echo "== CUDA tests (tests/test_device.py -m gpu)"
+timeout 240 "$python" -m pytest -m gpu -q -p no:cacheprovider tests/test_device.py 2>&1 |
+    tee "$out/gpu_tests.log" || status=1
+
+echo "== benchmark: gpu-1b on one GPU, fsdp2 vs torch"
+timeout 420 "$python" benchmarks/compare.py --device cuda --config gpu-1b --steps 10 \
+    --warmup 3 --ttfs-repeats 2 --json "$out/gpu-1b.json" 2>&1 | tee "$out/gpu_bench.log" ||
+    status=1
+if [ -f "$out/gpu-1b.json" ]; then
+    "$python" -m benchmarks.report --json "$out/gpu-1b.json" --out "$out/gpu-1b.md" || status=1
+fi
+exit "$status"
