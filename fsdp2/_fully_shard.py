@@ -115,7 +115,7 @@ def fully_shard(
         mp_policy: all-gather, compute and reduce dtypes; see ``MixedPrecisionPolicy``.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients in CPU memory.
         ignored_params: parameters to leave unsharded and unmanaged.
-        dp_mesh_dims: torch >= 2.13's ``DataParallelMeshDims(shard=..., replicate=...)``
+        dp_mesh_dims: torch >= 2.12's ``DataParallelMeshDims(shard=..., replicate=...)``
             naming the data-parallel dims of ``mesh`` (torch's SPMD mode): the parameters
             are ``DTensor``s on ``mesh``, replicated over those dims and laid out by the
             user over the others (TP), and the forward computes with ``DTensor``s.

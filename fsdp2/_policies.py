@@ -45,7 +45,7 @@ class CPUOffloadPolicy(OffloadPolicy):
 @dataclass
 class DataParallelMeshDims:
     """The data-parallel dims of the mesh passed to ``fully_shard(..., dp_mesh_dims=...)``
-    (torch 2.13's SPMD mode; see docs/spmd.md).
+    (torch 2.12's SPMD mode; see docs/spmd.md).
 
     - ``shard``: the dim name(s) parameters are sharded over; several are flattened into
       one shard dim.

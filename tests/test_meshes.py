@@ -399,7 +399,7 @@ def test_shard_placement_higher_dims_contiguous_and_like_torch(
 
 
 def _data_parallel_mesh_dims(**names: Any) -> Any:
-    """torch's ``DataParallelMeshDims`` where it exists (torch >= 2.13), else a stand-in
+    """torch's ``DataParallelMeshDims`` where it exists (torch >= 2.12), else a stand-in
     with the same two fields (fsdp2 reads only those)."""
     import dataclasses
 
