@@ -20,6 +20,9 @@ GPU is visible (marked ``gpu``).
 * ``fake-4``: torch's fake process group of 4 ranks, so the multi-rank paths (copy-out
   from the rank-major all-gather output, reduce-scatter input, the side streams) run on
   the device; the collectives move no data, so only completion and counts are reported.
+  The counting wrappers fill each output as if every rank held this rank's data: the
+  fake collectives leave their outputs as allocated, and a step on whatever memory held
+  before could make the loss non-finite at random (it did, once in a full run).
 """
 
 from __future__ import annotations
@@ -200,7 +203,14 @@ def fake_four(device: torch.device) -> dict[str, Any]:
 
             def counted(*args: Any, _kind: str = kind, _orig: Any = original, **kwargs: Any):
                 counts[_kind] += 1
-                return _orig(*args, **kwargs)
+                work = _orig(*args, **kwargs)
+                output, input = args[0], args[1]
+                with torch.no_grad():  # the fake collectives wrote nothing
+                    if _kind == "all_gather":
+                        output.view(4, -1).copy_(input.view(1, -1).expand(4, -1))
+                    else:
+                        output.copy_(input.view(4, -1)[0].view_as(output))
+                return work
 
             setattr(dist, name, counted)
     try:
