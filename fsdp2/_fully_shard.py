@@ -49,7 +49,7 @@ from fsdp2._policies import (
     validate_offload_policy,
 )
 from fsdp2._spmd import SpmdMesh, check_spmd_param, resolve_spmd_mesh
-from fsdp2._state import FSDPState, TrainingState, fsdp_state_of
+from fsdp2._state import FSDPState, TrainingState, explain_sharded_call, fsdp_state_of
 
 _FSDP_CLASSES: dict[type, type] = {}
 
@@ -278,7 +278,15 @@ def _fsdp_class(cls: type[nn.Module]) -> type:
                 f"instead; or call module.unshard() first; or register the method with "
                 f"fsdp2.register_fsdp_forward_method(module, 'forward')."
             )
-        return original_forward(self, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            return original_forward(self, *args, **kwargs)
+        try:
+            return original_forward(self, *args, **kwargs)
+        except RuntimeError as error:
+            explained = explain_sharded_call(cast(nn.Module, self), error)
+            if explained is None:
+                raise
+            raise explained from error
 
     namespace: dict[str, Any] = {"forward": forward, "_fsdp_original_cls": cls}
     for name, method in _public_methods(cls).items():

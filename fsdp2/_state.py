@@ -45,6 +45,71 @@ def fsdp_state_of(module: nn.Module) -> FSDPState | None:
     return state if isinstance(state, FSDPState) else None
 
 
+# [Note: a sharded module run outside its group's forward]
+# fully_shard gathers a group's parameters around the forward of the module it was applied
+# to, and nowhere else. A parent's forward that calls a submodule of a sharded child
+# directly (diffusers' DiT computes its output conditioning with
+# ``transformer_blocks[0].norm1.emb`` after the blocks, when block 0 has resharded)
+# reaches a kernel with the sharded DTensors, and DTensor raises "got mixed torch.Tensor and DTensor", which names
+# no module. Every ``FSDP<Name>.forward`` catches that error (free unless one is raised)
+# and reads the traceback for the module that computed on the shards of a group that was
+# not gathered; the error it raises instead names that module, the group, and the fixes.
+# torch's ``fully_shard`` lets DTensor's message through.
+_EXPLAINED_ATTR = "_fsdp2_explained"
+
+
+def explain_sharded_call(caller: nn.Module, error: RuntimeError) -> RuntimeError | None:
+    """fsdp2's explanation of ``error``, raised in ``caller``'s forward, if it came from a
+    submodule of ``caller`` computing on a group's shards; else None. See [Note: a sharded
+    module run outside its group's forward]."""
+    if getattr(error, _EXPLAINED_ATTR, False) or "DTensor" not in str(error):
+        return None
+    names = {id(m): name for name, m in caller.named_modules()}
+    sharded: dict[int, ParamGroup] = {}
+    for module in caller.modules():
+        state = fsdp_state_of(module)
+        for group in state.groups if state is not None else ():
+            if not group.is_unsharded:
+                sharded.update((id(p.sharded_param), group) for p in group.params)
+    # The frames from ``caller``'s forward inward: the innermost module holding shards is
+    # where the kernel failed; the outermost one containing it is what ``caller`` called.
+    frames: list[nn.Module] = []
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and owner is not caller and id(owner) in names:
+            frames.append(owner)
+        tb = tb.tb_next
+    found = next(
+        (
+            (inner, sharded[id(p)])
+            for inner in reversed(frames)
+            for p in inner.parameters(recurse=False)
+            if id(p) in sharded
+        ),
+        None,
+    )
+    if found is None:
+        return None
+    inner, group = found
+    inner_name = names[id(inner)]
+    called = next(m for m in frames if inner_name.startswith(names[id(m)]))
+    state = fsdp_state_of(caller)
+    prefix = f"{state.fqn}." if state is not None and state.fqn else ""
+    name = prefix + names[id(called)]
+    explained = RuntimeError(
+        f"fully_shard: {type(caller).__name__}.forward() ran '{name}' "
+        f"({type(called).__name__}) while the parameters it uses were sharded: they belong "
+        f"to the group of {group.where}, which fully_shard all-gathers only around that "
+        f"module's own forward. Call '{name}' only inside that forward; or also apply "
+        f"fully_shard to '{name}' (before its parents), so that it gathers its parameters "
+        f"wherever it runs; or do not apply fully_shard to {group.where} itself, so that "
+        f"its parameters join the enclosing group."
+    )
+    setattr(explained, _EXPLAINED_ATTR, True)
+    return explained
+
+
 # [Note: per-parameter meshes]
 # torch 2.13's ``shard_placement_fn`` may return ``ShardPlacementResult(placement,
 # mesh_info)``: that parameter is sharded over a mesh of its own, e.g. a MoE block's

@@ -48,6 +48,15 @@ class Root(nn.Module):
         return self.b(self.a(x))
 
 
+class PeeksIntoBlock(Root):
+    """Runs a submodule of its first block outside the block's forward (diffusers' DiT
+    runs ``transformer_blocks[0].norm1.emb`` after its blocks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        peek = self.a.lin(x)
+        return self.b(self.a(x)) + peek
+
+
 class WithScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -87,6 +96,12 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         model = _sharded_root()
         model(x)  # lazy init; every block reshards after forward
         model.a.forward(x)
+
+    def submodule_run_outside_its_group() -> None:
+        model = PeeksIntoBlock()
+        for module in (model.a, model.b, model):
+            fsdp2.fully_shard(module, mesh=_mesh())
+        model(x)
 
     def unregistered_method() -> None:
         model = _sharded_root()
@@ -379,6 +394,13 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "forward_called_directly": (
         "RuntimeError",
         r"Block\.forward\(\) was called directly.*unshard\(\)",
+    ),
+    # torch lets DTensor's "got mixed torch.Tensor and DTensor" through, naming no module.
+    "submodule_run_outside_its_group": (
+        "RuntimeError",
+        r"^fully_shard: FSDPPeeksIntoBlock\.forward\(\) ran 'a\.lin' \(Linear\) while the "
+        r"parameters it uses were sharded: they belong to the group of a \(Block\), .*only "
+        r"around that module's own forward.*also apply fully_shard to 'a\.lin'",
     ),
     "unregistered_method": (
         "RuntimeError",

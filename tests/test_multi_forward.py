@@ -36,7 +36,7 @@ from _control_helpers import (
     reference_step,
     shard_net,
 )
-from _helpers import IMPLS, get_fully_shard, is_dtensor, mlp_and_sharded_copy, require_impl
+from _helpers import IMPLS, full, get_fully_shard, is_dtensor, mlp_and_sharded_copy, require_impl
 from _launcher import run_ranks
 from torch import nn
 
@@ -394,3 +394,70 @@ def test_inference_mode_forwards_before_and_between_steps(reshard: bool, mixed: 
         assert not result["inference_tensors"], result
         assert result["diff"][1] <= (2e-2 if mixed else TOL), result
         assert result["eval"] <= (5e-2 if mixed else 1e-5), result
+
+
+class ConditionedStack(nn.Module):
+    """The root computes a conditioning with the first block's ``emb`` before that block
+    runs, and every block calls its own ``emb`` again (diffusers' DiT runs
+    ``transformer_blocks[0].norm1.emb`` after its blocks instead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ConditionedBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cond = self.blocks[0].emb(x)
+        for block in self.blocks:
+            x = block(x, cond)
+        return x
+
+
+class ConditionedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, 6)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.emb(cond))
+
+
+def _submodule_sharded_on_its_own(impl: str, shard_emb: bool) -> dict[str, Any]:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = ConditionedStack()
+    model = copy.deepcopy(ref)
+    fully_shard = get_fully_shard(impl)
+    for block in model.blocks:
+        if shard_emb:
+            fully_shard(block.emb)
+        fully_shard(block)
+    fully_shard(model)
+    opt, ref_opt = adamw(model), adamw(ref)
+    try:
+        for step in range(3):
+            batch = global_batch(step, 2 * ws)
+            reference_step(ref, ref_opt, batch)
+            mse(model, rank_slice(batch, rank, ws)).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as error:
+        return {"error": str(error)}
+    params = {name: full(p.detach()) for name, p in model.named_parameters()}
+    return {"diff": max_param_diff(ref, model), "params": params}
+
+
+def test_submodule_run_before_its_block_once_sharded_on_its_own() -> None:
+    """The fix that fsdp2's error for a block's submodule run outside the block's forward
+    suggests: ``fully_shard`` on that submodule too, before the block. It then gathers
+    wherever it runs (twice per forward here); without it, fsdp2 names the submodule and
+    torch raises DTensor's "mixed torch.Tensor and DTensor". Parameters within 1e-5 of the
+    non-sharded model and bitwise equal to torch's."""
+    ours = run_ranks(_submodule_sharded_on_its_own, 2, "fsdp2", False)[0]
+    assert "ran 'blocks.0.emb' (Linear)" in ours["error"], ours
+    results = {impl: run_ranks(_submodule_sharded_on_its_own, 2, impl, True) for impl in IMPLS}
+    for rank, report in enumerate(results["fsdp2"]):
+        assert report["diff"][1] <= TOL, (rank, report["diff"])
+        theirs = results["torch"][rank]["params"]
+        for name, value in report["params"].items():
+            assert torch.equal(value, theirs[name]), (rank, name)
