@@ -330,6 +330,24 @@ def reference_step(
     return loss.item()
 
 
+def data_parallel_steps(
+    model: nn.Module,
+    ref: nn.Module,
+    opt: torch.optim.Optimizer,
+    ref_opt: torch.optim.Optimizer,
+    steps: int = 3,
+) -> None:
+    """``steps`` optimizer steps: ``model`` on this rank's rows of each global batch (two
+    rows per rank), the unsharded ``ref`` on the whole batch."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        batch = global_batch(step, 2 * ws)
+        reference_step(ref, ref_opt, batch)
+        mse(model, rank_slice(batch, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def max_param_diff(ref: nn.Module, model: nn.Module) -> tuple[str, float]:
     """(name, max abs diff) of the worst parameter (collective: every rank calls it)."""
     sharded = dict(model.named_parameters())

@@ -29,6 +29,7 @@ from _control_helpers import (
     adamw,
     build_net,
     clone_model,
+    data_parallel_steps,
     global_batch,
     max_param_diff,
     mse,
@@ -423,7 +424,6 @@ class ConditionedBlock(nn.Module):
 
 
 def _submodule_sharded_on_its_own(impl: str, shard_emb: bool) -> dict[str, Any]:
-    rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = ConditionedStack()
     model = copy.deepcopy(ref)
@@ -435,12 +435,7 @@ def _submodule_sharded_on_its_own(impl: str, shard_emb: bool) -> dict[str, Any]:
     fully_shard(model)
     opt, ref_opt = adamw(model), adamw(ref)
     try:
-        for step in range(3):
-            batch = global_batch(step, 2 * ws)
-            reference_step(ref, ref_opt, batch)
-            mse(model, rank_slice(batch, rank, ws)).backward()
-            opt.step()
-            opt.zero_grad()
+        data_parallel_steps(model, ref, opt, ref_opt)
     except RuntimeError as error:
         return {"error": str(error)}
     params = {name: full(p.detach()) for name, p in model.named_parameters()}

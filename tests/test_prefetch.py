@@ -44,6 +44,7 @@ from _control_helpers import (
     adamw,
     build_net,
     clone_model,
+    data_parallel_steps,
     global_batch,
     group_numels,
     max_param_diff,
@@ -259,7 +260,6 @@ class Alternating(nn.Module):
 def alternating_blocks(reshard: bool) -> float:
     """Rank function: no-grad forwards (the blocks stay gathered without resharding), then
     training steps; the largest difference from the unsharded model."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = Alternating()
     model = clone_model(ref)
@@ -273,12 +273,7 @@ def alternating_blocks(reshard: bool) -> float:
         for step in range(3):
             x = global_batch(100 + step, 2)[0]
             worst = max(worst, (model(x) - ref(x)).abs().max().item())
-    for step in range(3):
-        batch = global_batch(step, 2 * ws)
-        reference_step(ref, ref_opt, batch)
-        mse(model, rank_slice(batch, rank, ws)).backward()
-        opt.step()
-        opt.zero_grad()
+    data_parallel_steps(model, ref, opt, ref_opt)
     return max(worst, max_param_diff(ref, model)[1])
 
 
