@@ -23,6 +23,28 @@ def _get(d: Any, *keys: str) -> Any:
     return d
 
 
+def _overhead_floor(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """The least overhead ratio any implementation of the same step could reach: the
+    optimizer's overhead (the same AdamW over ``DTensor`` parameters) plus the time inside
+    the collective calls (the same collectives), each the smaller of the two measured, over
+    the second implementation's whole overhead. Neither part is framework bookkeeping."""
+    parts = []
+    for key in ("opt_s", "calls"):
+        values = []
+        for impl in (a, b):
+            over = _get(impl, "overhead") or {}
+            if key == "calls":
+                step, net = over.get("step_s"), over.get("step_net_of_collective_calls_s")
+                value = step - net if step is not None and net is not None else None
+            else:
+                value = over.get(key)
+            if not isinstance(value, (int, float)):
+                return None
+            values.append(value)
+        parts.append(min(values))
+    return _div(sum(parts), _get(b, "overhead", "step_s"))
+
+
 def _div(a: Any, b: Any) -> float | None:
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b <= 0 or a < 0:
         return None
@@ -154,6 +176,9 @@ def targets(runs: list[dict]) -> list[dict[str, Any]]:
         note = ""
         if net is not None:
             note = f"net of the fake collectives' calls: {_f(net)} (fwd+bwd alone: {_f(net_fb)})"
+        floor = _overhead_floor(a, b)
+        if floor is not None:
+            note += f"; floor {_f(floor)}: the optimizer's overhead and the collective calls"
         out.append(
             _target(
                 "overhead, fake ws 256, small-many",
