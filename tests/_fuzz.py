@@ -1304,6 +1304,12 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
             _discarded_forward(case, model, step, rows)
         if sharded and step in case.get("async_unshard", {}):
             _async_unshard(case, model, *case["async_unshard"][step])
+        # The reference scales only this step's gradients (``divide``): a parameter left
+        # out of the optimizer (frozen when it was built, trained after a toggle) keeps
+        # its gradient across steps, which was scaled already (seed 10568).
+        before = None
+        if not sharded and case.get("divide"):
+            before = {n: None if p.grad is None else p.grad.clone() for n, p in named}
         losses = []
         for mb in range(microbatches):
             x, y = (t[rows] for t in make_batch(case, step, mb))
@@ -1332,10 +1338,14 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
                 if loss.requires_grad:
                     loss.backward()
         del losses, loss
-        if not sharded and case.get("divide"):  # the sharded sum over ranks / factor
-            for _, p in named:
+        if before is not None:  # the sharded sum over ranks / factor
+            for n, p in named:
                 if p.grad is not None:
-                    p.grad.mul_(case["ws"] / case["divide"])
+                    kept = before[n]
+                    if kept is None:
+                        p.grad.mul_(case["ws"] / case["divide"])
+                    else:
+                        p.grad.sub_(kept).mul_(case["ws"] / case["divide"]).add_(kept)
         if case["discard_fwd"].get(step) == "post":
             _discarded_forward(case, model, step, rows)
         if sharded:

@@ -365,8 +365,11 @@ def _assert_fsdp2_on_reference(case: dict) -> None:
 # a body weight, per-parameter meshes, a state-dict round trip; 9075: one weight frozen
 # after one eval and unfrozen after the next, checkpointed, 3 ranks; 9078: flips at two
 # steps on HSDP, two forwards before their backwards, a 3-D weight; 9087: a head frozen at
-# sharding, unfrozen after an eval, HSDP, with a gradient penalty.
-TOGGLE_SEEDS = [9020, 9075, 9078, 9087]
+# sharding, unfrozen after an eval, HSDP, with a gradient penalty; 10568: a norm's shift
+# frozen when the optimizer was built and unfrozen after an eval, with a divide factor and
+# sum-only reductions: outside the optimizer, its gradient adds up across steps, each
+# step's reduced sum divided once (the fuzzer's reference scaled the kept part again).
+TOGGLE_SEEDS = [9020, 9075, 9078, 9087, 10568]
 
 
 # Eval forwards under torch.inference_mode(), one of them before the first step (lazy init
