@@ -25,10 +25,10 @@ def _get(d: Any, *keys: str) -> Any:
 
 def _overhead_floor(a: dict[str, Any], b: dict[str, Any]) -> float | None:
     """The least overhead ratio an implementation with ``DTensor`` parameters and the same
-    collectives could reach: the
-    optimizer's overhead (the same AdamW over ``DTensor`` parameters) plus the time inside
-    the collective calls (the same collectives), each the smaller of the two measured, over
-    the second implementation's whole overhead. Neither part is framework bookkeeping."""
+    collectives could reach: the optimizer's overhead (the same AdamW over ``DTensor``
+    parameters) plus the time inside the collective calls, each the smaller of the two
+    measured, over the second implementation's whole overhead. Neither part is framework
+    bookkeeping."""
     parts = []
     for key in ("opt_s", "calls"):
         values = []
