@@ -152,6 +152,20 @@ def finish_all_reductions() -> None:
             context.finish_all()
 
 
+def order_compute_after_all_gathers() -> None:
+    """Before an optimizer step: an all-gather still in flight (``unshard(async_op=True)``
+    that no forward or ``wait()`` consumed, e.g. of a module the step's forward skipped)
+    reads the shards that the step is about to write. What it gathers is stale after the
+    step and is gathered again before use ([Note: stale unsharded parameters]), but the
+    step's writes must not overlap its reads on an accelerator: the compute stream waits
+    for the all-gather stream. (On the CPU each collective runs on the backend's thread;
+    its stale output is discarded the same way.)"""
+    for context in list(_LIVE):
+        streams = context.streams
+        if streams.all_gather is not None:
+            wait_stream(streams.compute(), streams.all_gather)
+
+
 def collective_checks_requested() -> bool:
     """Whether torch's distributed debug level is ``DETAIL``
     (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``dist.set_debug_level``)."""
