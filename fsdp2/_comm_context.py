@@ -28,12 +28,13 @@ compute, so it is off by default.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
-from fsdp2._collectives import PendingCollective, descriptions_if_different
+from fsdp2._collectives import PendingCollective, descriptions_if_different, wait
 from fsdp2._host_buffers import HostBufferPool
 from fsdp2._stream_utils import CommStreams, Event, record_event, wait_stream
 
@@ -59,6 +60,12 @@ class ReduceInFlight(NamedTuple):
     averaged: bool  # reduced with ReduceOp.AVG (else summed, divided when finished)
 
 
+class GatheringGroup(Protocol):
+    """What ``order_step_after_all_gathers`` needs of a group (``ParamGroup``)."""
+
+    def sharded_params(self) -> Iterable[torch.Tensor]: ...
+
+
 class CommContext:
     """Communication state shared by every group of one FSDP tree.
 
@@ -75,6 +82,9 @@ class CommContext:
         self.streams = CommStreams(device)
         self.all_gather_release: Event = None
         self.reduces: list[ReduceInFlight] = []
+        # Groups whose all-gather was issued and not yet waited for, with it; see
+        # ``order_step_after_all_gathers``.
+        self.all_gathers_in_flight: dict[GatheringGroup, PendingCollective] = {}
         self.max_reduces_in_flight = 1
         self.host_buffers = HostBufferPool(device)  # see [Note: host buffer pool]
         # See [Note: ranks that run different paths].
@@ -152,18 +162,23 @@ def finish_all_reductions() -> None:
             context.finish_all()
 
 
-def order_compute_after_all_gathers() -> None:
-    """Before an optimizer step: an all-gather still in flight (``unshard(async_op=True)``
-    that no forward or ``wait()`` consumed, e.g. of a module the step's forward skipped)
-    reads the shards that the step is about to write. What it gathers is stale after the
-    step and is gathered again before use ([Note: stale unsharded parameters]), but the
-    step's writes must not overlap its reads on an accelerator: the compute stream waits
-    for the all-gather stream. (On the CPU each collective runs on the backend's thread;
-    its stale output is discarded the same way.)"""
-    for context in list(_LIVE):
-        streams = context.streams
-        if streams.all_gather is not None:
-            wait_stream(streams.compute(), streams.all_gather)
+def order_step_after_all_gathers(params: Iterable[torch.Tensor]) -> None:
+    """Before an optimizer step over ``params``: an all-gather still in flight that reads
+    some of their shards (an ``unshard(async_op=True)`` that no forward or ``wait()``
+    consumed, e.g. of a module the step's forward skipped) must be done reading before
+    the step writes them. Wait for it: the compute stream waits for its event, or on the
+    CPU for the backend's work. What it gathered is stale after the step and is gathered
+    again before use ([Note: stale unsharded parameters]). Nothing to do, and no
+    per-parameter work, when no all-gather is in flight (the usual step, and an
+    optimizer stepping inside backward while prefetches of other groups run)."""
+    contexts = [context for context in list(_LIVE) if context.all_gathers_in_flight]
+    if not contexts:
+        return
+    stepped = {id(p) for p in params}
+    for context in contexts:
+        for group, pending in list(context.all_gathers_in_flight.items()):
+            if any(id(shard) in stepped for shard in group.sharded_params()):
+                wait(pending, context.streams.compute())
 
 
 def collective_checks_requested() -> bool:

@@ -542,6 +542,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 comm.check_same_collective(what, output.numel(), group)
                 pending = all_gather_flat(output, ag_input, group, stream, custom, what)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
+        comm.all_gathers_in_flight[self] = pending
 
     def _all_gather_output(self, in_place: bool) -> torch.Tensor:
         """The rank-major all-gather output: the unsharded buffer itself (in place), a
@@ -629,6 +630,10 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         source = flat.to(self.device, non_blocking=True)
         return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
 
+    def sharded_params(self) -> list[torch.Tensor]:
+        """The sharded ``DTensor`` parameters an optimizer steps (what an all-gather reads)."""
+        return [p.sharded_param for p in self.params]
+
     @outside_transforms
     def wait_for_unshard(self) -> None:
         """Wait for the in-flight all-gather, fill the unsharded parameters and register
@@ -638,6 +643,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             return
         self._all_gather = None
         comm = self._require_comm()
+        comm.all_gathers_in_flight.pop(self, None)
         compute = comm.streams.compute()
         wait(in_flight.pending, compute)
         if self._gather_in_place and not in_flight.in_place:
