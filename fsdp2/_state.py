@@ -71,14 +71,16 @@ def explain_sharded_call(caller: nn.Module, error: RuntimeError) -> RuntimeError
         for group in state.groups if state is not None else ():
             if not group.is_unsharded:
                 sharded.update((id(p.sharded_param), group) for p in group.params)
-    # The frames from ``caller``'s forward inward: the innermost module holding shards is
-    # where the kernel failed; the outermost one containing it is what ``caller`` called.
+    # The modules whose code is on the stack, from ``caller``'s forward inward: the
+    # innermost one holding shards is where the kernel failed; the outermost one
+    # containing it is the module that was called, and the one before that called it.
     frames: list[nn.Module] = []
     tb = error.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and owner is not caller and id(owner) in names:
-            frames.append(owner)
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            if not frames or frames[-1] is not owner:
+                frames.append(owner)
         tb = tb.tb_next
     found = next(
         (
@@ -93,12 +95,18 @@ def explain_sharded_call(caller: nn.Module, error: RuntimeError) -> RuntimeError
         return None
     inner, group = found
     inner_name = names[id(inner)]
-    called = next(m for m in frames if inner_name.startswith(names[id(m)]))
+    at = next(
+        i
+        for i, m in enumerate(frames)
+        if m is not caller
+        and (inner_name == names[id(m)] or inner_name.startswith(names[id(m)] + "."))
+    )
+    called, runner = frames[at], frames[at - 1] if at > 0 else caller
     state = fsdp_state_of(caller)
     prefix = f"{state.fqn}." if state is not None and state.fqn else ""
     name = prefix + names[id(called)]
     explained = RuntimeError(
-        f"fully_shard: {type(caller).__name__}.forward() ran '{name}' "
+        f"fully_shard: {type(runner).__name__}.forward() ran '{name}' "
         f"({type(called).__name__}) while the parameters it uses were sharded: they belong "
         f"to the group of {group.where}, which fully_shard all-gathers only around that "
         f"module's own forward. Call '{name}' only inside that forward; or also apply "

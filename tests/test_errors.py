@@ -57,6 +57,27 @@ class PeeksIntoBlock(Root):
         return self.b(self.a(x)) + peek
 
 
+class Borrower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:
+        return self.lin(x) + other(x)
+
+
+class LendsToSibling(nn.Module):
+    """Block ``b`` runs a submodule of block ``a`` after ``a`` resharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Block()
+        self.b = Borrower()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x), self.a.lin)
+
+
 class WithScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -99,6 +120,12 @@ def _case_fns() -> dict[str, Callable[[], object]]:
 
     def submodule_run_outside_its_group() -> None:
         model = PeeksIntoBlock()
+        for module in (model.a, model.b, model):
+            fsdp2.fully_shard(module, mesh=_mesh())
+        model(x)
+
+    def submodule_run_by_a_sibling() -> None:
+        model = LendsToSibling()
         for module in (model.a, model.b, model):
             fsdp2.fully_shard(module, mesh=_mesh())
         model(x)
@@ -401,6 +428,11 @@ EXPECTED: dict[str, tuple[str, str]] = {
         r"^fully_shard: FSDPPeeksIntoBlock\.forward\(\) ran 'a\.lin' \(Linear\) while the "
         r"parameters it uses were sharded: they belong to the group of a \(Block\), .*only "
         r"around that module's own forward.*also apply fully_shard to 'a\.lin'",
+    ),
+    "submodule_run_by_a_sibling": (
+        "RuntimeError",
+        r"^fully_shard: FSDPBorrower\.forward\(\) ran 'a\.lin' \(Linear\) while the "
+        r"parameters it uses were sharded: they belong to the group of a \(Block\)",
     ),
     "unregistered_method": (
         "RuntimeError",
