@@ -57,21 +57,16 @@ class PeeksIntoBlock(Root):
         return self.b(self.a(x)) + peek
 
 
-class Borrower(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:
+class Borrower(Block):
+    def forward(self, x: torch.Tensor, other: nn.Module) -> torch.Tensor:  # type: ignore[override]
         return self.lin(x) + other(x)
 
 
-class LendsToSibling(nn.Module):
+class LendsToSibling(Root):
     """Block ``b`` runs a submodule of block ``a`` after ``a`` resharded."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = Block()
         self.b = Borrower()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,9 +95,9 @@ def _mesh() -> Any:
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _sharded_root() -> Root:
+def _sharded_root(cls: type[Root] = Root) -> Root:
     mesh = _mesh()
-    model = Root()
+    model = cls()
     fsdp2.fully_shard(model.a, mesh=mesh)
     fsdp2.fully_shard(model.b, mesh=mesh)
     fsdp2.fully_shard(model, mesh=mesh)
@@ -119,16 +114,10 @@ def _case_fns() -> dict[str, Callable[[], object]]:
         model.a.forward(x)
 
     def submodule_run_outside_its_group() -> None:
-        model = PeeksIntoBlock()
-        for module in (model.a, model.b, model):
-            fsdp2.fully_shard(module, mesh=_mesh())
-        model(x)
+        _sharded_root(PeeksIntoBlock)(x)
 
     def submodule_run_by_a_sibling() -> None:
-        model = LendsToSibling()
-        for module in (model.a, model.b, model):
-            fsdp2.fully_shard(module, mesh=_mesh())
-        model(x)
+        _sharded_root(LendsToSibling)(x)
 
     def unregistered_method() -> None:
         model = _sharded_root()
