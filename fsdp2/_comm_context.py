@@ -69,9 +69,8 @@ class GatheringGroup(Protocol):
 class CommContext:
     """Communication state shared by every group of one FSDP tree.
 
-    ``all_gather_release``: the event after which the all-gather stream may reuse the
-    memory of buffers it allocated and we released (see [Note: buffer lifetime across
-    streams]). ``reduces``: reduce-scatters not yet finished, at most
+    ``all_gathers_after``: the event every all-gather waits for when issued (see
+    ``order_all_gathers_after_compute``). ``reduces``: reduce-scatters not yet finished, at most
     ``max_reduces_in_flight`` (torch's ``set_reduce_scatter_max_input_buffers``, default 1:
     a group's gradient copy-in waits for the previous group's reduce-scatter, so one input
     buffer is alive at a time).
@@ -80,7 +79,7 @@ class CommContext:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.streams = CommStreams(device)
-        self.all_gather_release: Event = None
+        self.all_gathers_after: Event = None
         self.reduces: list[ReduceInFlight] = []
         # Groups whose all-gather was issued and not yet waited for, with it; see
         # ``order_step_after_all_gathers``.
@@ -91,15 +90,13 @@ class CommContext:
         self.check_collectives = collective_checks_requested()
         _LIVE.add(self)
 
-    def release_all_gather_memory(self) -> None:
-        """Called after the compute stream's last use of all-gather-stream memory."""
-        self.all_gather_release = record_event(self.streams.compute())
-
     def order_all_gathers_after_compute(self) -> None:
         """Make every later all-gather wait for the work queued on the compute stream so
-        far, after it wrote shards that the all-gather stream reads next (a write-back of
-        in-place changes). The same event as ``release_all_gather_memory``'s."""
-        self.all_gather_release = record_event(self.streams.compute())
+        far. Called after the compute stream's last use of memory the all-gather stream
+        allocated and we released, which that stream may then reuse (see [Note: buffer
+        lifetime across streams]), and after a write-back of in-place changes into the
+        shards, which the next all-gather reads."""
+        self.all_gathers_after = record_event(self.streams.compute())
 
     def check_same_collective(self, what: str, numel: int, group: dist.ProcessGroup) -> None:
         """With ``check_collectives``, raise a ``RuntimeError`` on every rank of ``group``

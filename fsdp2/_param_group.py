@@ -513,7 +513,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             wait_stream(stream, comm.streams.compute())
         with use_stream(stream):
             # Memory released by the compute stream may be reused only after it is done.
-            wait_event(stream, comm.all_gather_release)
+            wait_event(stream, comm.all_gathers_after)
             custom = self.custom_all_gather
             in_place = self._gather_in_place and custom is None
             if post_forward:
@@ -651,7 +651,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             # (also for the post-forward group's gather): one copy.
             self._alloc_unsharded()
             self._unsharded_write.copy_(in_flight.output.view(self._unsharded_write.shape))
-            comm.release_all_gather_memory()
+            comm.order_all_gathers_after_compute()
         elif not in_flight.in_place:
             self._alloc_unsharded()
             if in_flight.from_post_forward:
@@ -670,7 +670,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 torch.split_with_sizes_copy(output, sizes, dim=1, out=targets)
             del output
             # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
-            comm.release_all_gather_memory()
+            comm.order_all_gathers_after_compute()
             if self.custom_all_gather is None:
                 comm.host_buffers.release(in_flight.output)
         if self.extensions and not in_flight.from_post_forward:
@@ -718,7 +718,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
             if p.extension is not None:
                 p.extension.free()
         if self._gather_in_place:
-            self._require_comm().release_all_gather_memory()
+            self._require_comm().order_all_gathers_after_compute()
         self._free_unsharded()
         self.sharded_state = (
             ShardedState.SHARDED_POST_FORWARD if keep_partial else ShardedState.SHARDED

@@ -47,14 +47,14 @@ def fsdp_state_of(module: nn.Module) -> FSDPState | None:
 
 # [Note: a sharded module run outside its group's forward]
 # fully_shard gathers a group's parameters around the forward of the module it was applied
-# to, and nowhere else. A parent's forward that calls a submodule of a sharded child
-# directly (diffusers' DiT computes its output conditioning with
-# ``transformer_blocks[0].norm1.emb`` after the blocks, when block 0 has resharded)
-# reaches a kernel with the sharded DTensors, and DTensor raises "got mixed torch.Tensor and DTensor", which names
-# no module. Every ``FSDP<Name>.forward`` catches that error (free unless one is raised)
-# and reads the traceback for the module that computed on the shards of a group that was
-# not gathered; the error it raises instead names that module, the group, and the fixes.
-# torch's ``fully_shard`` lets DTensor's message through.
+# to, and nowhere else. A forward that calls a submodule of another sharded block directly
+# (diffusers' DiT computes its output conditioning with ``transformer_blocks[0].norm1.emb``
+# after the blocks, when block 0 has resharded) reaches a kernel with the sharded
+# DTensors, and DTensor raises "got mixed torch.Tensor and DTensor", which names no
+# module. Every ``FSDP<Name>.forward`` catches that error (free unless one is raised) and
+# reads the traceback for the module that computed on the shards of a group that was not
+# gathered; the error it raises instead names the caller, that module, the group, and the
+# fixes. torch's ``fully_shard`` lets DTensor's message through.
 _EXPLAINED_ATTR = "_fsdp2_explained"
 
 
@@ -96,11 +96,16 @@ def explain_sharded_call(caller: nn.Module, error: RuntimeError) -> RuntimeError
     inner, group = found
     inner_name = names[id(inner)]
     at = next(
-        i
-        for i, m in enumerate(frames)
-        if m is not caller
-        and (inner_name == names[id(m)] or inner_name.startswith(names[id(m)] + "."))
+        (
+            i
+            for i, m in enumerate(frames)
+            if m is not caller
+            and (inner_name == names[id(m)] or inner_name.startswith(names[id(m)] + "."))
+        ),
+        None,
     )
+    if at is None:  # ``caller`` itself computed on its own shards (resharded mid-forward)
+        return None
     called, runner = frames[at], frames[at - 1] if at > 0 else caller
     state = fsdp_state_of(caller)
     prefix = f"{state.fqn}." if state is not None and state.fqn else ""

@@ -325,7 +325,7 @@ MUTATIONS = {
     # The all-gather stream reuses memory only after the compute stream's last use.
     "release-event": (
         "in-place-gather",
-        "fsdp2._comm_context:CommContext.release_all_gather_memory",
+        "fsdp2._comm_context:CommContext.order_all_gathers_after_compute",
     ),
     # The reduce-scatter reads gradients only after the compute stream wrote them.
     "reduce-scatter-after-compute": ("reshard", "fsdp2._grad_reduce:wait_stream"),
