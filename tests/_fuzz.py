@@ -110,8 +110,8 @@ torch fails on or is off the reference with (``penalty``, inference-mode evals, 
   ``set_gradient_divide_factor(f)`` and ``set_force_sum_reduction_for_comms(True)`` on
   every sharded module (gloo has no ``PREMUL_SUM``, which torch uses for a factor without
   forced sums). A gradient is then the sum over every data-parallel rank (replicas
-  included) divided by f: the reference's gradients are multiplied by ``ws / f`` after
-  backward. f is 1 where a per-parameter mesh has shard groups of one rank (torch then
+  included) divided by f: the reference multiplies what each step's backward added to
+  its gradients by ``ws / f`` (a gradient kept from an earlier step is scaled already). f is 1 where a per-parameter mesh has shard groups of one rank (torch then
   divides twice with forced sums: its single-rank copy divides, then the post-reduction
   division again).
 
