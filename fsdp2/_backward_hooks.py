@@ -137,9 +137,13 @@ class BackwardHooks:
             group.wait_for_unshard()
 
     @run_eagerly
-    def _pre_backward(self, claims: int, forward: ForwardCall, *_: Any) -> None:
+    def _pre_backward(
+        self, claims: int, forward: ForwardCall, *_: Any, prefetch: bool = True
+    ) -> None:
         """Backward reached an output of one forward call, whose ``claims`` post-backward
-        nodes (one per module call of the group) will now run."""
+        nodes (one per module call of the group) will now run. ``prefetch``: prefetch by
+        the forward's recorded position (False for a list group's open call, which has
+        none: [Note: calls that leave a list group open] in ``_state``)."""
         forward.opened = True
         tree = self.tree
         if tree is None:
@@ -159,7 +163,8 @@ class BackwardHooks:
             self._unshard_and_wait()
             if torch.is_grad_enabled():  # autograd's grad mode is create_graph here
                 self._hold_for_graph()
-        self._prefetch_for_backward()
+        if prefetch:
+            self._prefetch_for_backward()
         # A buffer the prefetch did not take would sit idle through this block's
         # backward, where memory peaks: see [Note: host buffer pool].
         tree.comm.host_buffers.clear()
@@ -199,12 +204,19 @@ class BackwardHooks:
         backward and read the parameters (its inputs need no gradient, its parameters do),
         and nothing would report it; the final callback reduces the group.
         """
+        tree = self.tree
+        if tree is not None:
+            # Every backward that runs a post-backward node ends with the final callback,
+            # which settles what this backward left here (reduces it, or moves it into the
+            # unsynced sums), even when no pre-backward trigger of this tree fired in it:
+            # see [Note: calls that leave a list group open] in ``_state``. (A no-op when
+            # called from the final callback itself.)
+            tree.queue_final_callback()
         self._open_claims = max(0, self._open_claims - 1)
         if self._held_by_graph():
             return  # the final callback reduces, once every use of the parameters is done
         if self._pending_backward_calls > 1:
             self._pending_backward_calls -= 1
-            tree = self.tree
             if (
                 self._open_claims == 0
                 and self._untracked_calls == 0

@@ -137,6 +137,31 @@ def explain_sharded_call(caller: nn.Module, error: RuntimeError) -> RuntimeError
 # (as in torch), and an int ``reshard_after_forward`` that equals a group's shard size
 # reshards that group fully.
 
+# [Note: calls that leave a list group open]
+# A group of several modules runs its pre-forward when the first of them starts and its
+# post-forward (reshard, pre-backward trigger) when the last one finishes; inside the
+# root's forward, the root's post-forward finishes a group some of whose modules did not
+# run. A call outside the root's forward leaves the group open: the output head of
+# ``fully_shard([norm, lm_head])`` applied chunk by chunk after ``model(x)``, each chunk
+# with its own backward. Nothing used to finish it, so a chunk's output carried no
+# pre-backward trigger, and a backward through the chunk alone ended without the final
+# callback. The head's post-backward meanwhile waited for the call ``norm`` made in the
+# root's forward, whose backward comes last, with the trunk's: every chunk's backward
+# left its bf16 gradients on the unsharded parameters, the next one added to them in
+# bf16, and only the trunk's backward moved them into the sums in the reduce dtype (or
+# reduced them): 1e-4 off torch on gradients of 2e-2, and no reduced gradient after a
+# synced chunk. So:
+# - such a call arms a pre-backward trigger on its output for the post-backward nodes it
+#   attached (``_end_partial_call``), without a forward position to prefetch by; a list
+#   group that is the root, which nothing finishes either, does the same;
+# - every post-backward node also queues the final callback (``post_backward``), so each
+#   backward that reaches a group ends by settling what it produced there: reduced with
+#   gradient sync, moved into the unsynced sums without, as each backward of torch's
+#   ``fully_shard`` does. The calls whose backward comes later keep their count ([Note:
+#   forwards whose backward comes later] in ``_backward_nodes``).
+# The common path pays nothing new: a group's last module finishes its forward as before,
+# and queueing the final callback is one flag check once it is queued.
+
 # [Note: forward prefetch on the CPU]
 # On an accelerator the host queues a block's kernels and moves on, so the next block's
 # pre-forward issues its all-gather while the current block still computes: streams give
@@ -199,6 +224,7 @@ class FSDPState(BackwardHooks):
         # Post-backward nodes attached since this group's forward started, and those whose
         # forward's pre-backward has fired but whose own backward has not run yet.
         self._claims_this_forward = 0
+        self._claims_armed = 0  # of those, the ones an armed pre-backward trigger counts
         self._open_claims = 0
         # Pending calls without a post-backward node (no input needed grad): nothing reports
         # their backward, which may still read the parameters, so the group is not parked.
@@ -362,10 +388,10 @@ class FSDPState(BackwardHooks):
     def _post_forward_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
         if len(self.modules) > 1 and not (self.tree is not None and self.tree.in_backward):
             if id(module) not in self._modules_to_run:  # a repeated call in this pass
-                return self._cast_output(output)
+                return self._end_partial_call(output)
             self._modules_to_run.discard(id(module))
             if self._modules_to_run:
-                return self._cast_output(output)
+                return self._end_partial_call(output)
         return self.post_forward(output)
 
     def _pre_forward_again(
@@ -384,6 +410,20 @@ class FSDPState(BackwardHooks):
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         return output
+
+    def _end_partial_call(self, output: Any) -> Any:
+        """A module of a list group finished a call that leaves the group's forward open
+        (its other modules have not run). Inside the root's forward, the root's post-forward
+        completes the group and arms its pre-backward trigger. Outside it (a loss head
+        called chunk by chunk after ``model(x)``), or when the group is the root itself,
+        nothing would: see [Note: calls that leave a list group open]."""
+        tree = self.tree
+        unfinished = tree is not None and (
+            tree.root is self or tree.root.training_state is not TrainingState.FORWARD
+        )
+        if unfinished and torch.is_grad_enabled():
+            output = self._attach_pre_backward(output, prefetch=False)
+        return self._cast_output(output)
 
     def _complete_partial_forward(self, output: Any) -> Any:
         """Finish the forward of a group some of whose modules did not run, from the root's
@@ -445,7 +485,7 @@ class FSDPState(BackwardHooks):
             self._recompute_registers_backward = (
                 torch.is_grad_enabled() and self._pending_backward_calls == 0
             )
-            self._claims_this_forward = 0
+            self._claims_this_forward = self._claims_armed = 0
             self._forward_call = ForwardCall(self._backward_epoch, opened=True)
             if self._recompute_registers_backward:
                 args, kwargs = self._claim_post_backward(args, kwargs)
@@ -466,7 +506,7 @@ class FSDPState(BackwardHooks):
                 previous._next_in_forward = self
             tree.last_forward_started = self
         self.training_state = TrainingState.FORWARD
-        self._claims_this_forward = 0
+        self._claims_this_forward = self._claims_armed = 0
         self._forward_call = ForwardCall(self._backward_epoch)
         if groups:
             logger.debug("FSDP::pre_forward (%s)", self.fqn)
@@ -607,7 +647,14 @@ class FSDPState(BackwardHooks):
         outputs = dict(zip(map(id, inputs), aliases))
         return map_tensors(lambda x: outputs.get(id(x), x), (args, kwargs))
 
-    def _attach_pre_backward(self, output: Any) -> Any:
+    def _attach_pre_backward(self, output: Any, *, prefetch: bool = True) -> Any:
+        """Arm the pre-backward trigger on ``output`` for the post-backward nodes this
+        forward attached since the last trigger was armed (a list group's open calls arm
+        their own: [Note: calls that leave a list group open]). ``prefetch``: whether its
+        backward prefetches by the recorded forward order (only a forward that recorded
+        its position does)."""
+        claims = self._claims_this_forward - self._claims_armed
+        self._claims_armed = self._claims_this_forward
         tensors = [x for x in tensors_in(output) if x.requires_grad]
         # An output that is a view (``h.view(b, s, d)``) loses its hook if the caller
         # modifies it in place (``y += 1``): autograd rebases the view on its base, and
@@ -621,7 +668,7 @@ class FSDPState(BackwardHooks):
         ]
         tensors += [b for b in bases if not any(b is t for t in tensors)]
         hook = functools.partial(
-            self._pre_backward, self._claims_this_forward, self.current_forward()
+            self._pre_backward, claims, self.current_forward(), prefetch=prefetch
         )
         if len(tensors) == 1:
             # What register_multi_grad_hook(mode="any") does for one tensor, without its

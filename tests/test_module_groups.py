@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 import importlib
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import get_fully_shard, require_impl, require_impl_feature, torch_fsdp_has
+from _helpers import full, get_fully_shard, require_impl, require_impl_feature, torch_fsdp_has
 from _launcher import run_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -258,3 +259,228 @@ def test_group_member_without_grad_inputs_keeps_parameters_for_backward(impl: st
     require_impl(impl)
     for rank, rep in enumerate(run_ranks(rank_first_takes_raw_input, 2, impl)):
         assert rep["max_diff"] <= TOL, (rank, impl, rep)
+
+
+# ---------------------------------------------------------------- partial participation
+# A list group whose modules take part in different backwards: ``fully_shard([norm,
+# lm_head])`` with the loss computed chunk by chunk, each chunk's head call with its own
+# backward (the chunked-loss pattern of LLM training). "split": the chunks run on the
+# detached hidden state and the trunk's backward comes last, with the accumulated
+# gradient of the hidden state (only lm_head takes part in a chunk's backward, only norm
+# in the trunk's); "retain": the chunks run on the hidden state itself, each backward
+# through the trunk (``retain_graph``). The chunks' gradients must be summed in the reduce
+# dtype whichever backward reduces them, as torch's ``fully_shard`` does, and each
+# backward with gradient sync must leave the reduced gradient on the sharded parameter.
+
+VOCAB, CHUNKS = 48, 4
+
+
+class ChunkedLossModel(nn.Module):
+    """A trunk (``body``, ``norm``) whose output the loss feeds to ``lm_head`` chunk by
+    chunk, outside the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.body(x))
+
+
+def _chunk_loss(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().pow(2).mean()
+
+
+def _chunked_backward(
+    model: nn.Module,
+    x: torch.Tensor,
+    scenario: str,
+    before_chunk: Any = None,
+    after_chunks: Any = None,
+) -> None:
+    """One step's backwards. ``before_chunk(last)`` runs before each chunk's forward,
+    ``after_chunks()`` after the chunks' backwards (before the trunk's, in "split")."""
+    hidden = model(x)
+    source = hidden.detach().requires_grad_() if scenario == "split" else hidden
+    for i, chunk in enumerate(source.chunk(CHUNKS)):
+        last = i == CHUNKS - 1
+        if before_chunk is not None:
+            before_chunk(last)
+        retain = scenario == "retain" and not last
+        _chunk_loss(model.lm_head(chunk)).backward(retain_graph=retain)
+    if after_chunks is not None:
+        after_chunks()
+    if scenario == "split":
+        hidden.backward(source.grad)
+
+
+def _reference_grads(
+    master: nn.Module, x: torch.Tensor, scenario: str, ws: int, param_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The same backwards on one process: per rank slice, a copy in the compute dtype; each
+    backward's gradients are added to fp32 sums (what a reduce dtype of fp32 means, across
+    separate backwards), and the sums are averaged over the slices."""
+    sums = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
+    for r in range(ws):
+        local = copy.deepcopy(master).to(param_dtype)
+        params = dict(local.named_parameters())
+
+        def fold(params: dict[str, nn.Parameter] = params) -> None:
+            for name, p in params.items():
+                if p.grad is not None:
+                    sums[name].add_(p.grad.float())
+                    p.grad = None
+
+        rows = x.shape[0] // ws
+        _chunked_backward(
+            local, x[r * rows : (r + 1) * rows].to(param_dtype), scenario, lambda _: fold()
+        )
+        fold()
+    return {n: s / ws for n, s in sums.items()}
+
+
+def rank_chunked_loss(
+    scenario: str, dtype: str, sync: str, reshard_after_backward: bool, hsdp: bool
+) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    param_dtype = getattr(torch, dtype)
+    torch.manual_seed(0)
+    master = ChunkedLossModel()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (ws,))
+    models: dict[str, nn.Module] = {}
+    sharded: dict[str, dict[str, nn.Parameter]] = {}
+    for impl in ("fsdp2", "torch"):
+        package = importlib.import_module("fsdp2" if impl == "fsdp2" else "torch.distributed.fsdp")
+        mp = package.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        model = copy.deepcopy(master)
+        fully_shard = get_fully_shard(impl)
+        fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.lm_head.set_reshard_after_backward(reshard_after_backward)
+        models[impl], sharded[impl] = model, dict(model.named_parameters())
+    ref_opt = torch.optim.SGD(master.parameters(), lr=0.5)
+    opts = {impl: torch.optim.SGD(sharded[impl].values(), lr=0.5) for impl in models}
+    gen = torch.Generator().manual_seed(1)
+    worst_ref, mismatches = 0.0, []
+    for step in range(2):
+        x = torch.randn(ws * 2 * CHUNKS, DIM, generator=gen)
+        rows = x.shape[0] // ws
+        local = x[rank * rows : (rank + 1) * rows]
+        ref = _reference_grads(master, x, scenario, ws, param_dtype)
+        grads = {}
+        for impl, model in models.items():
+            head = model.lm_head
+            if sync == "last":  # the issue's pattern: sync off until the last chunk
+                head.set_reshard_after_forward(False)
+                head.set_requires_gradient_sync(False, recurse=False)
+                head.unshard()
+
+            def before_chunk(last: bool, head: nn.Module = head) -> None:
+                if last and sync == "last":
+                    head.set_requires_gradient_sync(True, recurse=False)
+
+            grads[impl] = {}
+
+            def after_chunks(impl: str = impl, grads: dict = grads) -> None:
+                # The last chunk's backward synced: lm_head's gradient is reduced.
+                grad = sharded[impl]["lm_head.weight"].grad
+                grads[impl]["after_chunks"] = None if grad is None else full(grad)
+
+            _chunked_backward(model, local, scenario, before_chunk, after_chunks)
+            head.reshard()
+            grads[impl].update({n: full(p.grad) for n, p in sharded[impl].items()})
+        for name, g in grads["torch"].items():
+            ours = grads["fsdp2"][name]
+            if ours is None or g is None or not torch.equal(ours, g):
+                mismatches.append(f"step {step}: grad of {name}")
+        for name, g in ref.items():
+            worst_ref = max(worst_ref, (grads["fsdp2"][name] - g).abs().max().item())
+        after = grads["fsdp2"]["after_chunks"]
+        if after is None:
+            mismatches.append(f"step {step}: no gradient on lm_head after the chunks")
+        elif scenario == "split":  # only the chunks' backwards reach lm_head
+            worst_ref = max(worst_ref, (after - ref["lm_head.weight"]).abs().max().item())
+        for name, p in master.named_parameters():
+            p.grad = ref[name]
+        for opt in (ref_opt, *opts.values()):
+            opt.step()
+            opt.zero_grad()
+    for name, p in master.named_parameters():
+        worst_ref = max(worst_ref, (full(sharded["fsdp2"][name].detach()) - p).abs().max().item())
+    return {"mismatches": mismatches, "worst_ref": worst_ref}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scenario", ["split", "retain"])
+def test_chunked_loss_through_a_list_group(scenario: str, dtype: str, world_size: int) -> None:
+    """Each backward involves only some of the group's modules. Before the fix, in
+    "split" the chunks' backwards left lm_head's bf16 gradients unreduced and unsettled
+    (the group waited for norm's call, whose backward comes later): they were summed in
+    bf16 (1e-4 off torch at bf16), and nothing was reduced until the trunk's backward
+    (after the chunks, lm_head's sharded gradient was None where torch's is reduced)."""
+    require_impl("fsdp2")
+    require_impl("torch")
+    for sync in ("last", "every"):
+        for rab in (True, False):
+            args = (scenario, dtype, sync, rab, False)
+            for rank, rep in enumerate(run_ranks(rank_chunked_loss, world_size, *args)):
+                where = (rank, sync, rab)
+                assert not rep["mismatches"], (where, "not bitwise equal to torch", rep)
+                assert rep["worst_ref"] <= 1e-6, (where, rep)
+
+
+@pytest.mark.parametrize("scenario", ["split", "retain"])
+def test_chunked_loss_through_a_list_group_hsdp(scenario: str) -> None:
+    """The same on a (2, 2) HSDP mesh: the reduce-scatter, then the replicas' all-reduce."""
+    require_impl("fsdp2")
+    require_impl("torch")
+    for sync in ("last", "every"):
+        for rab in (True, False):
+            args = (scenario, "bfloat16", sync, rab, True)
+            for rank, rep in enumerate(run_ranks(rank_chunked_loss, 4, *args)):
+                where = (rank, sync, rab)
+                assert not rep["mismatches"], (where, "not bitwise equal to torch", rep)
+                assert rep["worst_ref"] <= 1e-6, (where, rep)
+
+
+def rank_list_root_partial_steps() -> dict:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"a": nn.Linear(DIM, DIM), "b": nn.Linear(DIM, DIM)})
+    model = copy.deepcopy(ref)
+    fsdp2 = importlib.import_module("fsdp2")
+    fsdp2.fully_shard([model["a"], model["b"]])  # the root: no sharded module above
+    sharded = dict(model.named_parameters())
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(ws * ROWS, DIM, generator=gen)
+        local = x[rank * ROWS : (rank + 1) * ROWS]
+        names = ("a", "b") if step == 0 else ("a",)  # b is skipped after the first step
+        for name in names:
+            # The input needs no gradient: no post-backward node reports the backward.
+            model[name](local).pow(2).sum().backward()
+            (ref[name](x).pow(2).sum() / ws).backward()
+    return {
+        "missing": [n for n, p in sharded.items() if p.grad is None],
+        "max_diff": max(
+            (full(sharded[n].grad) - p.grad).abs().max().item() for n, p in ref.named_parameters()
+        ),
+    }
+
+
+def test_list_group_root_whose_modules_run_in_separate_backwards() -> None:
+    """A list group that is the root (torch's ``fully_shard`` refuses that): when one of
+    its modules runs with inputs that need no gradient and the other does not run, no
+    post-backward node and no root post-forward reported the backward; the gradients of
+    every step after the first were never reduced (1.9 off the non-sharded model)."""
+    require_impl("fsdp2")
+    for rank, rep in enumerate(run_ranks(rank_list_root_partial_steps, 2)):
+        assert rep["missing"] == [] and rep["max_diff"] <= TOL, (rank, rep)
