@@ -115,6 +115,26 @@ torch fails on or is off the reference with (``penalty``, inference-mode evals, 
   divides twice with forced sums: its single-rank copy divides, then the post-reduction
   division again).
 
+From seed ``PARTIAL_FROM`` (11000) on (keys absent before), module-list groups whose
+modules take part in different forwards and backwards: ``p_list`` is drawn again from
+0.3 and 0.6, so list groups (some over a ``maybe`` child, skipped on steps of one parity)
+are frequent, and a case with an output head may compute its loss chunk by chunk outside
+the model's forward (``chunked``), as LLM training does to save the logits' memory:
+
+* ``chunked``: None, ``"split"`` (the forward returns the hidden state, the head runs on
+  ``chunks`` chunks of its detached rows, each with its own backward, then the trunk's
+  backward takes the hidden state's gradient: each backward involves only part of a list
+  group holding the head) or ``"retain"`` (each chunk's backward runs through the shared
+  trunk, ``retain_graph`` until the last); the loss is the sum of the chunks' sums over the
+  whole batch's count, the same objective as the unchunked loss (the reference computes
+  that one);
+* ``head_group``: how the head is sharded then (a call outside the root's forward needs a
+  group of its own): ``"alone"``, ``"with"`` (``fully_shard([<a body module>, "head"])``,
+  the module named in ``head_partner``, whose call happens in the root's forward) or, with
+  a tied head, ``["embed", "head"]``;
+* ``chunk_sync``: ``"last"``: ``set_requires_gradient_sync(False, recurse=False)`` on the
+  head's group for every chunk but the last (the usual pattern), or ``"every"``.
+
 ``run_impls`` is the rank function (it trains one sharded copy per implementation and
 returns, per step, every rank's losses and eval outputs and, from rank 0, every
 parameter's and gradient's ``full_tensor()``); ``run_reference`` trains the non-sharded
@@ -208,6 +228,9 @@ INFERENCE_FROM = 9500
 # implementations (``offload``, ``prefetch``, ``rab_accum``, ``async_unshard``, ``divide``),
 # and most of them leave out what torch's ``fully_shard`` fails on (``_draw_control``).
 CONTROL_FROM = 10000
+# From this seed on, list groups are frequent and cases with a head may compute their loss
+# chunk by chunk outside the forward (``chunked``, ``head_group``, ``chunk_sync``).
+PARTIAL_FROM = 11000
 
 # Per-parameter meshes by world size: a name and the mesh's ranks (1-D: FSDP; 2-D:
 # ``(replicate, shard)``, HSDP). Every mesh spans all ranks, so training stays plain data
@@ -404,10 +427,12 @@ class Root(nn.Module):
             if spec["tied"]:
                 self.head.weight = self.embed.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        """``skip_head``: return the hidden state (the loss then applies the head in
+        chunks: ``chunked``)."""
         h = self.embed(x) if self.has_embed else x
         h = self.body(h)
-        return self.head(h) if self.head is not None else h
+        return self.head(h) if self.head is not None and not skip_head else h
 
 
 def build(spec: tuple) -> nn.Module:
@@ -466,32 +491,39 @@ def _gen_leaf(
 
 
 def _gen_node(
-    rng: random.Random, depth: int, d: int, same_dim: bool = False, sharding: bool = False
+    rng: random.Random,
+    depth: int,
+    d: int,
+    same_dim: bool = False,
+    sharding: bool = False,
+    skips: bool = False,
 ) -> tuple[tuple, int]:
     """A subtree taking ``d`` features; returns it and its output features (``sharding``:
-    the leaves and sizes of seeds from ``SHARDING_FROM`` on)."""
+    the leaves and sizes of seeds from ``SHARDING_FROM`` on; ``skips``: modules skipped on
+    some steps (``maybe``) more often, from ``PARTIAL_FROM`` on)."""
     if depth <= 0 or rng.random() < 0.3:
         return _gen_leaf(rng, d, same_dim, sharding)
-    kind = rng.choice(["seq", "list", "dict", "residual", "twice", "maybe", "ckpt", "gated"])
+    kinds = ["seq", "list", "dict", "residual", "twice", "maybe", "ckpt", "gated"]
+    kind = rng.choice(kinds + ["maybe", "maybe"] if skips else kinds)
     if kind in ("seq", "list", "dict"):
         n = rng.randint(1, 3)
         children = []
         cur = d
         for i in range(n):
-            child, cur = _gen_node(rng, depth - 1, cur, same_dim and i == n - 1, sharding)
+            child, cur = _gen_node(rng, depth - 1, cur, same_dim and i == n - 1, sharding, skips)
             children.append(child)
         if same_dim and cur != d:
             children.append(("linear", cur, d, True))
             cur = d
         return (kind, tuple(children)), cur
     if kind in ("residual", "twice", "maybe"):
-        inner, _ = _gen_node(rng, depth - 1, d, True, sharding)
+        inner, _ = _gen_node(rng, depth - 1, d, True, sharding, skips)
         if kind == "residual":
             return ("residual", inner), d
         if kind == "twice":
             return ("twice", inner, rng.choice(["chain", "sum"])), d
         return ("maybe", inner, rng.randint(0, 1)), d
-    inner, out = _gen_node(rng, depth - 1, d, same_dim, sharding)
+    inner, out = _gen_node(rng, depth - 1, d, same_dim, sharding, skips)
     return (("ckpt", inner) if kind == "ckpt" else ("gated", inner, out)), out
 
 
@@ -502,6 +534,7 @@ def gen_case(seed: int, **overrides: Any) -> dict:
     # From ``SHARDING_FROM`` on, a generator of its own redraws some values (the main one
     # still draws them, so its sequence is the same).
     sharding = seed >= SHARDING_FROM
+    skips = seed >= PARTIAL_FROM
     extra3 = random.Random(seed * 15485863 + 47)
     ws = rng.choice([2, 3])
     ws = extra3.choice([2, 3, 4, 4]) if sharding else ws
@@ -514,12 +547,12 @@ def gen_case(seed: int, **overrides: Any) -> dict:
         vocab = extra3.choice([5, 8, 11, 12]) if sharding else vocab
         tied = rng.random() < 0.6
         spec["embed"] = (vocab, d0)
-        spec["body"], dout = _gen_node(rng, rng.randint(1, 3), d0, tied, sharding)
+        spec["body"], dout = _gen_node(rng, rng.randint(1, 3), d0, tied, sharding, skips)
         spec["head"] = (dout, vocab, (not tied) and rng.random() < 0.5)
         spec["tied"] = tied
         loss, out_dim = "ce", vocab
     else:
-        spec["body"], dout = _gen_node(rng, rng.randint(1, 3), d0, False, sharding)
+        spec["body"], dout = _gen_node(rng, rng.randint(1, 3), d0, False, sharding, skips)
         out_dim = dout
         if rng.random() < 0.3 or not any(True for _ in build(spec["body"]).parameters()):
             out_dim = rng.choice([1, 2, 3])
@@ -582,10 +615,14 @@ def gen_case(seed: int, **overrides: Any) -> dict:
     if seed >= PENALTY_FROM:
         case["penalty"] = loss == "mse" and random.Random(seed * 86028121 + 97).random() < 0.5
         case["input_requires_grad"] = case["input_requires_grad"] or case["penalty"]
+    if seed >= PARTIAL_FROM:
+        _draw_partial(case, random.Random(seed * 122949829 + 131))
     case.update(overrides)
     model = Root(case["spec"])
     if "plan" not in overrides:
         case["plan"] = _gen_plan(model, case)
+        if case.get("chunked"):
+            _plan_head_group(model, case, random.Random(case["plan_seed"] + 5))
         if case.get("p_raf_int"):
             int_rng = random.Random(case["plan_seed"] + 3)
             case["plan"] = [
@@ -611,6 +648,56 @@ def gen_case(seed: int, **overrides: Any) -> dict:
     if seed >= CONTROL_FROM:
         _draw_control(case, overrides, random.Random(seed * 179424673 + 113))
     return case
+
+
+def _draw_partial(case: dict, rng: random.Random) -> None:
+    """The keys of ``PARTIAL_FROM``: frequent list groups, and the chunked loss."""
+    case["p_list"] = rng.choice([0.3, 0.6])
+    chunkable = case["spec"]["head"] is not None and not case.get("penalty") and not case["two_fwd"]
+    mode = rng.choice(["split", "split", "retain"])
+    case["chunked"] = mode if chunkable and rng.random() < 0.6 else None
+    case["chunks"] = rng.choice([2, 3])
+    case["chunk_sync"] = rng.choice(["last", "every"])
+    case["head_group"] = "tied" if case["spec"]["tied"] else rng.choice(["alone", "with"])
+    case["head_partner_pick"] = rng.random()
+
+
+def _plan_head_group(model: Root, case: dict, rng: random.Random) -> None:
+    """Give the head a group of its own (``head_group``), placed just before the root's
+    entry: a tied head with the embedding, else alone or with a body module that has
+    parameters and that no entry covers (neither it, an ancestor nor a descendant: the
+    list must be shardable bottom-up after the other entries)."""
+    plan = [(names, raf) for names, raf in case["plan"] if "head" not in names]
+    root_entry = plan.pop()
+    mode = case["head_group"]
+    entry = ["head"]
+    if mode == "tied":
+        entry = ["embed", "head"]
+    elif mode == "with":
+        taken = [n for names, _ in plan for n in names]
+
+        def related(name: str) -> bool:
+            return any(
+                t == name or name.startswith(t + ".") or t.startswith(name + ".") for t in taken
+            )
+
+        candidates = [
+            name
+            for name, module in _post_order(model.body, "body.")
+            if any(True for _ in module.parameters())
+            and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            and not related(name)
+        ]
+        # Half the time a module that some steps skip (``maybe``), if there is one.
+        skipped = [n for n in candidates if isinstance(model.get_submodule(n), Maybe)]
+        pick = case["head_partner_pick"]
+        if skipped and pick < 0.5:
+            candidates, pick = skipped, 2 * pick
+        if candidates:
+            partner = candidates[min(len(candidates) - 1, int(pick * len(candidates)))]
+            entry = [partner, "head"]
+    plan += [(entry, rng.choice([True, False, None])), root_entry]
+    case["plan"] = plan
 
 
 def _draw_control(case: dict, overrides: dict, rng: random.Random) -> None:
@@ -708,6 +795,11 @@ def _gen_plan(model: Root, case: dict) -> list[tuple[list[str], Any]]:
         free = [k for k in free if k not in sharded]
         if len(free) >= 2 and rng.random() < case["p_list"]:
             chosen = sorted(rng.sample(free, rng.randint(2, len(free))), key=free.index)
+            skipped = [k for k in free if isinstance(model.get_submodule(k), Maybe)]
+            if "chunk_sync" in case and skipped and not set(skipped) & set(chosen):
+                # From ``PARTIAL_FROM`` on: a list group includes a module that some steps
+                # skip whenever one is free.
+                chosen = sorted([*chosen[1:], skipped[0]], key=free.index)
             plan.append((chosen, rng.choice([True, False, None])))
             sharded.update(chosen)
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -953,7 +1045,7 @@ def describe(case: dict) -> str:
     keys += ["sd_roundtrip", "steps", "local_batch", "seq_len", "input_requires_grad"]
     keys += ["discard_fwd", "two_fwd", "mesh", "accum_mode", "param_meshes", "pp_raw_mesh"]
     keys += ["ext_pad", "meta_load", "penalty", "toggle", "eval_mode", "eval_first"]
-    keys += ["offload", "rab_accum", "divide"]
+    keys += ["offload", "rab_accum", "divide", "chunked", "chunks", "chunk_sync", "head_group"]
     lines = [", ".join(f"{k}={case[k]}" for k in keys if k in case)]
     listed = ("spec", "plan", "shard_dims", "param_mesh", "frozen", "ops", "ext")
     listed += ("prefetch", "async_unshard")
@@ -994,6 +1086,12 @@ def features(case: dict) -> set[str]:
     out |= {"offload"} if case.get("offload") else set()
     out |= {f"divide_{case['divide']:g}"} if case.get("divide") else set()
     out |= {f"{case['rab_accum']}_accum"} if case.get("rab_accum") else set()
+    if case.get("chunked"):
+        out |= {f"chunked_{case['chunked']}", f"chunk_sync_{case['chunk_sync']}"}
+        head_entry = next(names for names, _ in case["plan"] if "head" in names)
+        out.add("head_group_" + ("alone" if head_entry == ["head"] else "list"))
+    if any(len(names) > 1 and "maybe" in _kinds(case, names) for names, _ in case["plan"]):
+        out.add("list_group_with_skipped_module")
     prefetch = case.get("prefetch") or {}
     for way in ("fwd", "bwd"):
         lists = prefetch.get(way, {}).values()
@@ -1029,6 +1127,13 @@ def features(case: dict) -> set[str]:
         if case.get("pp_raw_mesh"):
             out.add("param_mesh_raw")
     return out
+
+
+def _kinds(case: dict, names: list[str]) -> set[str]:
+    """The spec kinds of the modules ``names`` (plan entries) of ``case``'s model."""
+    model = Root(case["spec"])
+    kinds = {"maybe": Maybe, "twice": Twice, "ckpt": Ckpt}
+    return {k for n in names for k, cls in kinds.items() if isinstance(model.get_submodule(n), cls)}
 
 
 # ---------------------------------------------------------------------------- training
@@ -1076,6 +1181,39 @@ def _loss(case: dict, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if case["loss"] == "ce":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     return F.mse_loss(out, y)
+
+
+def _chunked_step(
+    case: dict, model: nn.Module, x: torch.Tensor, y: torch.Tensor, mb_sync: bool
+) -> torch.Tensor:
+    """``chunked``: the forward returns the hidden state and the head runs on chunks of its
+    rows, each chunk's loss (its share of the whole batch's loss) with its own backward; in
+    ``"split"`` the chunks run on the detached rows and the trunk's backward comes last.
+    ``mb_sync``: this microbatch synchronizes gradients (the head's group then syncs on the
+    last chunk, or on every chunk: ``chunk_sync``). Returns the loss (detached)."""
+    hidden = model(x, skip_head=True)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    targets = y.reshape(-1) if case["loss"] == "ce" else y.reshape(-1, y.shape[-1])
+    count = targets.numel()  # the unchunked loss is a mean over these
+    split = case["chunked"] == "split"
+    source = rows.detach().requires_grad_() if split else rows
+    pieces = list(zip(source.chunk(case["chunks"]), targets.chunk(case["chunks"])))
+    total = torch.zeros(())
+    for i, (chunk, target) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        if case["chunk_sync"] == "last":
+            model.head.set_requires_gradient_sync(mb_sync and last, recurse=False)
+        out = model.head(chunk).float()
+        if case["loss"] == "ce":
+            part = F.cross_entropy(out, target, reduction="sum") / count
+        else:
+            part = F.mse_loss(out, target, reduction="sum") / count
+        if part.requires_grad:
+            part.backward(retain_graph=not split and not last)
+        total = total + part.detach()
+    if split and rows.requires_grad and source.grad is not None:
+        rows.backward(source.grad)
+    return total
 
 
 def _input_gradient_penalty(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -1325,6 +1463,15 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
                     model.set_reshard_after_backward(last)
                 if case.get("rab_accum") == "rab_last":
                     model.set_is_last_backward(last)
+            if case.get("chunked") and sharded:
+                mb_sync = not (
+                    case["accum"]
+                    and case.get("accum_mode", "gradient_sync") in ("gradient_sync", "both")
+                    and mb < microbatches - 1
+                )
+                losses.append(_chunked_step(case, model, x, y, mb_sync))
+                entry["loss"].append(losses[-1].clone())
+                continue
             out = model(x)
             loss = _loss(case, out, y)
             if case.get("penalty"):
@@ -1337,7 +1484,7 @@ def train(case: dict, model: nn.Module, rank: int | None) -> dict:
             for loss in losses if case["two_fwd"] == "in_order" else losses[::-1]:
                 if loss.requires_grad:
                     loss.backward()
-        del losses, loss
+        del losses
         if before is not None:  # the sharded sum over ranks / factor
             for n, p in named:
                 if p.grad is not None:
