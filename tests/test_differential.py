@@ -236,7 +236,14 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # divide factor of twice the world size with sum-only collectives), 10018 (3 ranks, offload,
 # ``set_is_last_backward`` with ``set_reshard_after_backward`` between microbatches), 10023
 # (offload, prefetch lists, an async unshard left to the forward, a divide factor of 1).
-# They take about 25 s on 2 cores.
+# From ``_fuzz.PARTIAL_FROM`` (list groups whose modules take part in different backwards:
+# the loss computed chunk by chunk outside the forward): 11088, 11111 and 11130 (the tied
+# embedding and head as one group, the chunks on the detached hidden state, sync on the
+# last chunk; 4 ranks bf16, 2 ranks fp32, 2 ranks bf16 with accumulation: each off torch
+# before the chunks' backwards were settled one by one), 11006 (the same on a 2x2 HSDP
+# mesh), 11279 (the head alone, each chunk's backward through the trunk, 3 ranks), 11294
+# (the head in a list group with a module that odd steps skip, sync on every chunk).
+# They take about 35 s on 2 cores.
 SEEDS = [
     2,
     29,
@@ -272,6 +279,12 @@ SEEDS = [
     10017,
     10018,
     10023,
+    11006,
+    11088,
+    11111,
+    11130,
+    11279,
+    11294,
 ]
 
 FEATURES = {
@@ -293,6 +306,9 @@ FEATURES = {
     "offload", "divide_1", "divide_8", "prefetch_fwd", "prefetch_bwd", "prefetch_fwd_empty",
     "prefetch_bwd_empty", "rab_accum", "rab_last_accum", "async_unshard_wait",
     "async_unshard_nowait", "async_unshard_nonroot",
+    # list groups taking part in different backwards (``_fuzz.PARTIAL_FROM``)
+    "chunked_split", "chunked_retain", "chunk_sync_last", "chunk_sync_every",
+    "head_group_alone", "head_group_list", "list_group_with_skipped_module",
 }  # fmt: skip
 
 
