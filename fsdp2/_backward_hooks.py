@@ -276,6 +276,9 @@ class BackwardHooks:
         if tree is None:
             raise AssertionError("final callback before lazy init")
         logger.debug("FSDP::root_post_backward")
+        # Forwards whose backward is still to come (the trunk's, after a loss head's
+        # chunks each had their own backward) keep the recorded order to prefetch by.
+        keep_order = tree.live_claims > 0
         if tree.building_graph:
             # Groups gathered without their pre-backward firing (kept unsharded since
             # forward, used by another module) may be saved by the new graph too.
@@ -328,7 +331,8 @@ class BackwardHooks:
             state._pending_backward_calls = sum(f.live + f.untracked for f in later)
             state._untracked_calls = sum(f.untracked for f in later)
             state.training_state = TrainingState.IDLE
-            state._forward_positions.clear()
+            if not keep_order:
+                state._forward_positions.clear()
             state._modules_to_run.clear()
             for group in state.groups:  # kept unsharded: before the optimizer step
                 group.write_back_unsharded()
@@ -336,7 +340,8 @@ class BackwardHooks:
             tree.comm.finish_all()
         tree.comm.host_buffers.clear()  # nothing held while the optimizer runs
         tree.parked.clear()
-        tree.forward_order.clear()
+        if not keep_order:
+            tree.forward_order.clear()
         tree.in_backward = False
         tree.callback_queued = False
         tree.building_graph = False

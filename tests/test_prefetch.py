@@ -285,3 +285,61 @@ def test_forward_prefetch_follows_a_cycling_order(reshard: bool) -> None:
     require_impl("fsdp2")
     for diff in run_ranks(alternating_blocks, 2, reshard, timeout=60):
         assert diff <= TOL, diff
+
+
+class TrunkAndHead(nn.Module):
+    """``Net``'s layers, with the head applied by the loss, chunk by chunk."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.head = net.inp, net.blocks, net.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def trunk_backward_after_chunks(impl: str) -> dict:
+    """Rank function: the events of the trunk's backward, after the head's chunks had
+    their own backwards (their final callbacks ran first)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    fully_shard = get_fully_shard(impl)
+    ref = build_net()
+    model = TrunkAndHead(clone_model(ref))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model.head)
+    fully_shard(model)
+    numels = group_numels(ref, ws)  # the root's entry counts the head: split it
+    head = sum(math.ceil(p.shape[0] / ws) * math.prod(p.shape[1:]) for p in ref.head.parameters())
+    root = next(n for n, g in numels.items() if g == "root")
+    numels = {n: g for n, g in numels.items() if g != "root"} | {head: "head", root - head: "root"}
+    out: dict = {"steps": []}
+    with CollectiveLog(numels):
+        for step in range(2):
+            x, y = rank_slice(global_batch(step, 2 * ws), rank, ws)
+            with recording_events() as events:
+                hidden = model(x)
+                detached = hidden.detach().requires_grad_()
+                for chunk, target in zip(detached.chunk(2), y.chunk(2)):
+                    torch.nn.functional.mse_loss(model.head(chunk), target).backward()
+                events.append("trunk")
+                hidden.backward(detached.grad)
+            out["steps"].append(events[events.index("trunk") + 1 :])
+            model.zero_grad()
+    return out
+
+
+def test_trunk_backward_after_chunked_head_prefetches() -> None:
+    """The final callback of each chunk's backward used to forget the forward order, so the
+    trunk's backward, which runs later on the same forward, prefetched nothing: each block
+    gathered itself at its own pre-backward (torch's ``fully_shard`` loses the order the
+    same way). The order is kept while a forward's backward is still to come."""
+    require_impl("fsdp2")
+    for rank, report in enumerate(run_ranks(trunk_backward_after_chunks, 2, "fsdp2")):
+        for step, events in enumerate(report["steps"]):
+            for i in (3, 2, 1):  # block i-1 is gathered before block i's backward runs
+                assert events.index(AG(i - 1)) < events.index(f"B{i}"), (rank, step, events)
+            assert [e for e in events if e.startswith("B")] == ["B3", "B2", "B1", "B0"]
