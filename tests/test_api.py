@@ -179,6 +179,7 @@ MODULE_CHAIN = [
     "_rank_agreement",
     "_param_group",
     "_grad_reduce",
+    "_grad_pack",
     "_unsharded_upkeep",
     "_comm_context",
     "_host_buffers",
