@@ -28,6 +28,7 @@ from fsdp2._policies import (
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    ReducePolicy,
 )
 
 __version__ = "0.1.0.dev0"
@@ -39,6 +40,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "ModelOptimizerState",
     "OffloadPolicy",
+    "ReducePolicy",
     "UnshardHandle",
     "fully_shard",
     "get_full_state_dict",

@@ -107,6 +107,20 @@ def reduce_scatter_flat(
     return _issue(stream, what, call, output, input, op=op, group=group)
 
 
+def all_to_all_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    stream: Stream,
+    what: str = "all-to-all",
+) -> PendingCollective:
+    """Send chunk ``r`` of ``input`` (rank-major, ``world_size`` equal chunks) to rank
+    ``r``, receiving every rank's chunk for this rank into ``output`` in group rank order
+    (the exchange a reduce-scatter does before it sums; see ``_reduction``). ``what``:
+    its name in errors."""
+    return _issue(stream, what, dist.all_to_all_single, output, input, group=group)
+
+
 def all_reduce_flat(
     tensor: torch.Tensor,
     group: dist.ProcessGroup,

@@ -58,6 +58,9 @@ class ReduceInFlight(NamedTuple):
     has_grad: list[bool]  # per reduced parameter: got a local gradient
     positions: tuple[int, ...]  # where the reduced parameters sit in the group's params
     averaged: bool  # reduced with ReduceOp.AVG (else summed, divided when finished)
+    # Set when the ranks' chunks were exchanged by an all-to-all (``output`` holds all of
+    # them) and are still to be summed in this dtype; None: ``output`` is reduced.
+    accumulate_dtype: torch.dtype | None = None
 
 
 class GatheringGroup(Protocol):

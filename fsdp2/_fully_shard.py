@@ -45,9 +45,12 @@ from fsdp2._param_group import ParamGroup
 from fsdp2._policies import (
     MixedPrecisionPolicy,
     OffloadPolicy,
+    ReducePolicy,
     validate_mp_policy,
     validate_offload_policy,
+    validate_reduce_policy,
 )
+from fsdp2._reduction import plan_reduction
 from fsdp2._spmd import SpmdMesh, check_spmd_param, resolve_spmd_mesh
 from fsdp2._state import FSDPState, TrainingState, explain_sharded_call, fsdp_state_of
 
@@ -65,6 +68,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: Any | None = ...,
+    reduce_policy: ReducePolicy | None = ...,
 ) -> FSDPModule: ...
 @overload
 def fully_shard(
@@ -77,6 +81,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     dp_mesh_dims: Any | None = ...,
+    reduce_policy: ReducePolicy | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -90,6 +95,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any | None = None,
+    reduce_policy: ReducePolicy | None = None,
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters over ``mesh`` and make it an ``FSDPModule``.
 
@@ -121,6 +127,11 @@ def fully_shard(
             user over the others (TP), and the forward computes with ``DTensor``s.
             Several shard (or replicate) dims are flattened; replicate only is DDP. See
             docs/spmd.md.
+        reduce_policy: fsdp2 only: how gradients are summed over ranks, e.g.
+            ``ReducePolicy(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)``
+            (bf16 on the wire, fp32 sums) or ``ReducePolicy(deterministic=True)``; see
+            ``ReducePolicy`` and docs/reduction.md. ``None``: a reduce-scatter in the
+            reduce dtype, as torch.
 
     Returns:
         The same module object(s), now also instances of ``FSDPModule``.
@@ -130,6 +141,7 @@ def fully_shard(
     validate_shard_placement_fn(shard_placement_fn)
     mp_policy = validate_mp_policy(mp_policy)
     offload_policy = validate_offload_policy(offload_policy)
+    policy = validate_reduce_policy(reduce_policy, "fully_shard(reduce_policy=...)")
     spmd = None
     if dp_mesh_dims is not None:
         spmd = resolve_spmd_mesh(mesh, dp_mesh_dims)
@@ -155,6 +167,7 @@ def fully_shard(
         offload_policy,
         spmd,
     )
+    _set_reduce_policy(groups, policy)
     move_states_to_device(modules, device)
     state = FSDPState(
         modules, groups, mesh, device, reshard_after_forward, mp_policy, offload_policy
@@ -551,7 +564,25 @@ class FSDPModule:
         module's groups only."""
         _check_comm(comm, "set_custom_reduce_scatter", self)
         for group in self._fsdp_state.groups:
+            if group.reduce_policy is not None:
+                raise ValueError(
+                    f"{type(self).__name__}.set_custom_reduce_scatter: {group.label} has a "
+                    f"ReducePolicy ({group.reduce_policy}), which decides how fsdp2 sums "
+                    f"its gradients, while a custom reduce-scatter replaces that sum: use "
+                    f"one or the other (set_reduce_policy(None) first to use the custom one)."
+                )
+        for group in self._fsdp_state.groups:
             group.custom_reduce_scatter = comm
+
+    def set_reduce_policy(self, policy: ReducePolicy | None, *, recurse: bool = True) -> None:
+        """How gradients are summed over ranks from the next reduction on: e.g.
+        ``ReducePolicy(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)`` (bf16
+        on the wire, fp32 sums) or ``ReducePolicy(deterministic=True)`` (sums in rank
+        order, bitwise reproducible); ``None``: a reduce-scatter in the reduce dtype (the
+        default). fsdp2 only; see docs/reduction.md. Refused on a module with a custom
+        reduce-scatter (``set_custom_reduce_scatter``), which would replace the sum."""
+        policy = validate_reduce_policy(policy, f"{type(self).__name__}.set_reduce_policy")
+        _set_reduce_policy([g for s in self._states(recurse) for g in s.groups], policy)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate this module's all-gather outputs and reduce-scatter buffers with the
@@ -692,6 +723,27 @@ def _check_no_pending_grads_converted(
                     f"step (a backward with gradient sync, then zero_grad(set_to_none=True)) "
                     f"or drop them with reset_iter_state() before converting the module."
                 )
+
+
+def _set_reduce_policy(groups: list[ParamGroup], policy: ReducePolicy | None) -> None:
+    """Give ``groups`` the reduce policy, after checking all of them (nothing changes if
+    one refuses it): no custom reduce-scatter, and dtypes that resolve (a field left at
+    ``None`` must not put a wider dtype on the wire than the explicit accumulate one)."""
+    for group in groups if policy is not None else ():
+        name = group.where if group.path else group.label  # paths are known at lazy init
+        custom = group.custom_reduce_scatter
+        if custom is not None and not isinstance(custom, BackendAllocatedReduceScatter):
+            raise ValueError(
+                f"set_reduce_policy: {name} has a custom reduce-scatter "
+                f"(set_custom_reduce_scatter), which replaces the sum of the gradients that "
+                f"a ReducePolicy configures: use one or the other, e.g. "
+                f"set_reduce_policy(policy, recurse=False) on the modules without one."
+            )
+        positions = group.reduced_positions() or tuple(range(len(group.params)))
+        if positions:
+            plan_reduction(policy, group.default_reduce_dtype(positions), name)
+    for group in groups:
+        group.reduce_policy = policy
 
 
 def _check_comm(comm: Any, api: str, module: object) -> None:

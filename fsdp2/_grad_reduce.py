@@ -2,9 +2,10 @@
 
 ``GradientReduction`` is the half of ``ParamGroup`` (``_param_group``) that runs after
 backward: one fused copy-in of the unsharded gradients into the reduce-scatter input (laid
-out by ``GradientPacking``, ``_grad_pack``), one collective, and, when that is waited on
-(later, so it overlaps the rest of backward), the scaling and the gradient shards assigned
-to the sharded parameters. The group's layout (``params``, ``_reduce_sizes``, dtypes) and
+out by ``GradientPacking``, ``_grad_pack``), one collective (under a ``ReducePolicy``
+that asks for wider sums or determinism, an all-to-all whose chunks are summed locally:
+``_reduction``), and, when that is waited on (later, so it overlaps the rest of
+backward), the scaling and the gradient shards assigned to the sharded parameters. The group's layout (``params``, ``_reduce_sizes``, dtypes) and
 runtime switches are ``ParamGroup``'s; this module only reads them.
 
 [Note: reduce-scatter input lifetime]
@@ -45,6 +46,14 @@ from fsdp2._collectives import PendingCollective, all_reduce_flat, reduce_scatte
 from fsdp2._comm_context import CommContext, ReduceInFlight
 from fsdp2._grad_pack import GradientPacking, promote_dtypes
 from fsdp2._param import ShardedParam
+from fsdp2._policies import ReducePolicy
+from fsdp2._reduction import (
+    ReductionPlan,
+    exchange_chunks,
+    plan_reduction,
+    sum_exchanged,
+    sum_over_replicas,
+)
 from fsdp2._stream_utils import Stream, record_event, use_stream, wait_event, wait_stream
 
 
@@ -72,6 +81,9 @@ class GradientReduction(GradientPacking):
     requires_all_reduce: bool
     all_reduce_hook: Callable[[torch.Tensor], None] | None
     all_reduce_hook_stream: Stream
+    # fully_shard(reduce_policy=) / set_reduce_policy: see ``_reduction``. None: reduce
+    # in the reduce dtype with a reduce-scatter, as torch does.
+    reduce_policy: ReducePolicy | None = None
 
     def owes_reduction(self) -> bool:
         """Whether sums kept from earlier backwards (unsynced gradients, or HSDP's partial
@@ -81,10 +93,18 @@ class GradientReduction(GradientPacking):
         partial_due = self._partial_reduce is not None and self.requires_all_reduce
         return self.grads_unsynced or partial_due
 
+    def default_reduce_dtype(self, positions: tuple[int, ...]) -> torch.dtype:
+        """The reduce dtype without a ``ReducePolicy``: ``reduce_dtype`` (the mixed
+        precision policy's, else ``param_dtype``), else the promotion of the dtypes of the
+        parameters at ``positions`` (a mixed group)."""
+        return self.reduce_dtype or promote_dtypes(self.params[i].dtype for i in positions)
+
     def reduce_grads(self) -> None:
         """Reduce-scatter the unsharded gradients (one fused copy-in, one collective) and
-        drop them. The result is assigned to the sharded parameters by ``finish_reduce``,
-        when the collective is waited on: later, so it overlaps the rest of backward."""
+        drop them; under a ``ReducePolicy`` that exchanges, the collective is an
+        all-to-all instead ([Note: all-to-all reduction] in ``_reduction``). The result is
+        assigned to the sharded parameters by ``finish_reduce``, when the collective is
+        waited on: later, so it overlaps the rest of backward."""
         # Which parameters a rank used can differ between ranks (data-dependent routing),
         # so nothing here may depend on the local gradients: the trainable parameters are
         # reduced, and one without a local gradient contributes zeros. See
@@ -95,7 +115,8 @@ class GradientReduction(GradientPacking):
             return
         reduced = [self.params[i] for i in positions]
         ws = self.world_size
-        reduce_dtype = self.reduce_dtype or promote_dtypes(p.dtype for p in reduced)
+        plan = plan_reduction(self.reduce_policy, self.default_reduce_dtype(positions), self.where)
+        reduce_dtype, accumulate_dtype = plan
         rows, has_grad, numel = self.gradient_rows(positions, reduce_dtype)
         comm = self._require_comm()
         compute = comm.streams.compute()
@@ -112,34 +133,38 @@ class GradientReduction(GradientPacking):
         predivide = self.predivide_factor(reduce_dtype)
         if predivide != 1.0:
             rs_input.div_(predivide)
-        averaged = self.averages_in_collectives(reduce_dtype)
+        averaged = accumulate_dtype is None and self.averages_in_collectives(reduce_dtype)
         stream = comm.streams.reduce_scatter
         wait_stream(stream, compute)  # the gradients were produced on the compute stream
         if ws == 1:  # one rank: the input is the reduced shard (torch issues no collective)
             done = PendingCollective(None, record_event(stream))
             in_flight = ReduceInFlight(
-                self, rs_input, rs_input, done, has_grad, positions, averaged
+                self, rs_input, rs_input, done, has_grad, positions, averaged, accumulate_dtype
             )
             comm.reduces.append(in_flight)
             return
+        group = self.reduce_scatter_group or self.process_group
         with use_stream(stream):
-            if custom is not None:
-                rs_output = custom.allocate((numel,), dtype=reduce_dtype, device=self.device)
+            if accumulate_dtype is not None:  # see [Note: all-to-all reduction]
+                what = f"all-to-all of the gradients of {self.where}"
+                rs_output, pending = exchange_chunks(rs_input, group, stream, comm, custom, what)
             else:
-                rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
-            group = self.reduce_scatter_group or self.process_group
-            what = f"reduce-scatter of the gradients of {self.where}"
-            comm.check_same_collective(what, rs_input.numel(), group)
-            op = ReduceOp.AVG if averaged else ReduceOp.SUM
-            pending = reduce_scatter_flat(
-                rs_output, rs_input, group, stream, op=op, custom=custom, what=what
-            )
+                if custom is not None:
+                    rs_output = custom.allocate((numel,), dtype=reduce_dtype, device=self.device)
+                else:
+                    rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
+                what = f"reduce-scatter of the gradients of {self.where}"
+                comm.check_same_collective(what, rs_input.numel(), group)
+                op = ReduceOp.AVG if averaged else ReduceOp.SUM
+                pending = reduce_scatter_flat(
+                    rs_output, rs_input, group, stream, op=op, custom=custom, what=what
+                )
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None
         del rs_input
         in_flight = ReduceInFlight(
-            self, kept_input, rs_output, pending, has_grad, positions, averaged
+            self, kept_input, rs_output, pending, has_grad, positions, averaged, accumulate_dtype
         )
         comm.reduces.append(in_flight)
 
@@ -147,13 +172,25 @@ class GradientReduction(GradientPacking):
         """Wait for a reduce-scatter, scale it, and store the gradient shards as DTensors
         on the sharded parameters (accumulating into existing gradients)."""
         comm = self._require_comm()
-        wait(in_flight.pending, comm.streams.compute())
-        output = in_flight.output
-        predivide = self.predivide_factor(output.dtype)
+        output, pending = in_flight.output, in_flight.pending
+        plan = ReductionPlan(output.dtype, in_flight.accumulate_dtype)
+        predivide = self.predivide_factor(output.dtype)  # what the wire's input was divided by
+        if plan.accumulate_dtype is not None:  # exchanged: sum the ranks' chunks first
+            pooled = self.custom_reduce_scatter is None
+            output, pending = sum_exchanged(
+                output, pending, self.world_size, plan.accumulate_dtype, comm, pooled
+            )
+        wait(pending, comm.streams.compute())
         positions = in_flight.positions
         if self.replicate_group is not None:
             summed = self._all_reduce_replicas(
-                output, positions, self.replicate_group, in_flight.pending, in_flight.averaged
+                output,
+                positions,
+                self.replicate_group,
+                pending,
+                in_flight.averaged,
+                predivide,
+                plan,
             )
             if summed is None:
                 return  # accumulated locally until the next step that all-reduces
@@ -249,6 +286,8 @@ class GradientReduction(GradientPacking):
         replicate_group: ProcessGroup,
         reduce_scatter: PendingCollective,
         averaged: bool,
+        predivide: float,
+        plan: ReductionPlan,
     ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
         """HSDP: sum the reduce-scattered shard (the gradients of the parameters at
         ``positions``, then their flags) over replicas, or keep it for later when
@@ -264,7 +303,7 @@ class GradientReduction(GradientPacking):
         self._partial_reduce = None
         written_on_compute = kept is not None
         # What the reduce-scatter divided by: its group's size (AVG), or the pre-division.
-        divided_by = float(self.world_size) if averaged else self.predivide_factor(output.dtype)
+        divided_by = float(self.world_size) if averaged else predivide
         if kept is not None:
             partial, partial_positions, partial_divided_by = kept
             if partial_divided_by != divided_by:  # the divisor switches changed in between
@@ -285,10 +324,16 @@ class GradientReduction(GradientPacking):
             wait_stream(stream, comm.streams.compute())
         else:  # waited for on the CPU already (``finish_reduce``): the event only
             wait_event(stream, reduce_scatter.event)
-        what = f"all-reduce of the gradients of {self.where}"
-        comm.check_same_collective(what, output.numel(), replicate_group)
-        op = ReduceOp.AVG if averaged else ReduceOp.SUM
-        pending = all_reduce_flat(output, replicate_group, stream, op=op, what=what)
+        if plan.accumulate_dtype is not None:  # see [Note: replicas under a reduce policy]
+            what = f"the gradients of {self.where} over replicas"
+            output, pending = sum_over_replicas(
+                output, replicate_group, self.replicate_size, plan, stream, comm, what
+            )
+        else:
+            what = f"all-reduce of the gradients of {self.where}"
+            comm.check_same_collective(what, output.numel(), replicate_group)
+            op = ReduceOp.AVG if averaged else ReduceOp.SUM
+            pending = all_reduce_flat(output, replicate_group, stream, op=op, what=what)
         wait(pending, comm.streams.compute())
         return output, positions
 

@@ -27,6 +27,64 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
+# The dtypes gradients can be exchanged and summed in.
+REDUCIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class ReducePolicy:
+    """How the ranks' gradients are summed (fsdp2 only; see docs/reduction.md).
+
+    - ``comm_dtype``: the dtype gradients travel in. ``None``: the reduce dtype as without
+      a policy (``MixedPrecisionPolicy.reduce_dtype``, else ``param_dtype``, else the
+      parameters' dtype).
+    - ``accumulate_dtype``: the dtype the ranks' contributions are summed in. ``None``:
+      that same default, or ``comm_dtype`` where that is wider.
+    - ``deterministic``: sum in rank order, so gradients are bitwise reproducible
+      whatever the collective algorithm or the order in which contributions arrive.
+
+    When ``accumulate_dtype`` is wider than ``comm_dtype``, or with ``deterministic``,
+    each group's gradients are cast once to ``comm_dtype`` and exchanged with one
+    all-to-all (the bytes of a ``comm_dtype`` reduce-scatter), and each rank sums the
+    contributions to its shard in ``accumulate_dtype``. Otherwise the group
+    reduce-scatters in ``comm_dtype``. HSDP's sum over replicas follows the same rule.
+    """
+
+    comm_dtype: torch.dtype | None = None
+    accumulate_dtype: torch.dtype | None = None
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("comm_dtype", "accumulate_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and dtype not in REDUCIBLE_DTYPES:
+                raise ValueError(
+                    f"ReducePolicy.{field} must be torch.bfloat16, torch.float16, "
+                    f"torch.float32, torch.float64 or None, got {dtype!r}: gradients are "
+                    f"summed in floating point (integer, complex and float8 sums are not "
+                    f"supported)."
+                )
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(
+                f"ReducePolicy.deterministic must be a bool, got {self.deterministic!r}."
+            )
+        comm, accumulate = self.comm_dtype, self.accumulate_dtype
+        if comm is not None and accumulate is not None:
+            check_accumulates(comm, accumulate, "ReducePolicy")
+
+
+def check_accumulates(comm: torch.dtype, accumulate: torch.dtype, where: str) -> None:
+    """Raise unless every ``comm`` value converts to ``accumulate`` without loss: summing
+    in a narrower dtype than the wire carries throws away what was paid for."""
+    if torch.promote_types(comm, accumulate) != accumulate:
+        raise ValueError(
+            f"{where}: comm_dtype {comm} does not fit in accumulate_dtype {accumulate} "
+            f"(the sum would round away bits the wire carried). Use an accumulate_dtype at "
+            f"least as wide as comm_dtype, e.g. ReducePolicy(comm_dtype={comm}, "
+            f"accumulate_dtype={torch.promote_types(comm, accumulate)})."
+        )
+
+
 @dataclass
 class OffloadPolicy:
     """The default: no offloading. Sharded parameters and gradients stay on the device."""
@@ -131,3 +189,16 @@ def validate_offload_policy(policy: object) -> OffloadPolicy:
             f"fsdp2.CPUOffloadPolicy(), got {type(policy).__name__}."
         )
     return policy
+
+
+def validate_reduce_policy(policy: object, api: str) -> ReducePolicy | None:
+    """``policy`` as stored on groups: ``None`` for no policy and for ``ReducePolicy()``
+    (today's reduction, which a custom reduce-scatter may still replace)."""
+    if policy is None:
+        return None
+    if not isinstance(policy, ReducePolicy):
+        raise TypeError(
+            f"{api} expects a fsdp2.ReducePolicy or None, got {type(policy).__name__}. "
+            f"Pass e.g. ReducePolicy(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)."
+        )
+    return None if policy == ReducePolicy() else policy

@@ -324,6 +324,8 @@ def shard_model(model: nn.Module, case: ParityCase, impl: str, mesh) -> nn.Modul
     """Wrap the children that form their own FSDP groups, then the root."""
     fully_shard = get_fully_shard(impl)
     kw = {"mesh": mesh, "reshard_after_forward": case.reshard_after_forward}
+    if impl == "fsdp2":  # fsdp2-only arguments, e.g. {"reduce_policy": ReducePolicy(...)}
+        kw.update(case.extra.get("fsdp2_kwargs", {}))
     if case.model == "llama" and case.tie_after_shard is not None:
         return _shard_then_tie(model, case.tie_after_shard, fully_shard, kw)
     if case.model == "llama":

@@ -145,6 +145,18 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "accumulate": "all_reduce",
     },
     "extensions": {"extensions": True},
+    # ReducePolicy: an all-to-all per group, summed on the reduce-scatter stream; HSDP
+    # then exchanges and gathers over replicas on the all-reduce stream.
+    "reduce-policy": {"reduce_policy": True},
+    "reduce-policy-accumulation": {"reduce_policy": True, "accumulate": "gradient_sync"},
+    "reduce-policy-three-in-flight": {"reduce_policy": True, "max_reduces": 3},
+    "reduce-policy-hsdp": {"reduce_policy": True, "hsdp": True, "world_size": 4},
+    "reduce-policy-hsdp-partial-sums": {
+        "reduce_policy": True,
+        "hsdp": True,
+        "world_size": 4,
+        "accumulate": "all_reduce",
+    },
     "extensions-to-2-of-4": {"extensions": True, "reshard_after_forward": 2, "world_size": 4},
 }
 
@@ -155,6 +167,10 @@ def _shard(model: Net, case: dict[str, Any]) -> None:
         kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     if "reshard_after_forward" in case:
         kw["reshard_after_forward"] = case["reshard_after_forward"]
+    if case.get("reduce_policy"):
+        kw["reduce_policy"] = fsdp2.ReducePolicy(
+            comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32
+        )
     if case.get("bf16"):
         kw["mp_policy"] = fsdp2.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -347,6 +363,10 @@ MUTATIONS = {
     "hsdp-all-reduce": ("hsdp", "fsdp2._grad_reduce:wait"),
     # HSDP: the all-reduce waits for the reduce-scatter's result (its event only).
     "hsdp-all-reduce-after-reduce-scatter": ("hsdp", "fsdp2._grad_reduce:wait_event"),
+    # ReducePolicy: the compute stream waits for the sum of the all-to-all's chunks.
+    "reduce-policy-sum-before-use": ("reduce-policy", "fsdp2._grad_reduce:wait"),
+    # ... and HSDP's exchange over replicas waits for that sum (its event only).
+    "reduce-policy-replicas-after-sum": ("reduce-policy-hsdp", "fsdp2._grad_reduce:wait_event"),
 }
 
 

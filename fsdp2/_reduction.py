@@ -1,0 +1,222 @@
+"""How a group's per-rank gradient chunks are summed under a ``ReducePolicy``: one
+all-to-all in ``comm_dtype`` and a local sum in ``accumulate_dtype``, in rank order; and
+HSDP's sum over replicas by the same rule. ``_grad_reduce`` decides per step which scheme
+runs (``plan_reduction``), issues it and assigns the result; the chunks are
+``_grad_pack``'s, the same for every scheme.
+
+[Note: all-to-all reduction]
+A reduce-scatter sums while the data travels, in the dtype on the wire: in bf16, every
+partial sum along a ring is rounded to 8 bits, and the error grows with the number of
+ranks (about like its square root; Megatron-LM#6199, pytorch#106395 at 48x8 GPUs). With
+an ``accumulate_dtype`` wider than ``comm_dtype`` nothing is summed on the wire. The
+input is built as for a reduce-scatter in ``comm_dtype`` (rank ``r``'s chunk: the padded
+gradient shards of rank ``r``, then the padded has-gradient flags; [Note: gradients some
+ranks lack]), and one ``all_to_all_single`` per group gives each rank the ``ws`` chunks
+meant for it, unsummed, in group rank order. The rank adds them in ``accumulate_dtype``
+(``accumulate_in_rank_order``) and the group divides once, as after a summed
+reduce-scatter. Each contribution is rounded once, to ``comm_dtype``, so the error of an
+element's mean is at most ``(u_comm / (1 + u_comm) + (ws - 1) * u_acc)`` times the mean
+of that element's ``|contributions|``: for bf16 on the wire (``u = 2^-8``) and fp32 sums
+(``2^-24``), 2^-8 up to 257 ranks, and 1.004 * 2^-8 at 1,024 if every rounding went the
+same way; measured errors stay far below (docs/reduction.md). Each rank sends ``ws - 1`` chunks and receives as many,
+the bytes of a ``comm_dtype`` reduce-scatter. The price is memory: the receive buffer holds
+``ws`` chunks where a reduce-scatter's output holds one (the input's size, which gloo's
+reduce-scatter also allocates, for its clone), and the ``accumulate_dtype`` sum, one
+chunk. The sum runs when the reduction is finished, on the reduce-scatter stream, so the
+compute stream waits for it exactly where it waited for the reduce-scatter, and the
+receive buffer is allocated, used and freed on that one stream ([Note: buffer lifetime
+across streams]; on the CPU it goes back to the host buffer pool once the work is done).
+
+[Note: deterministic reduction]
+A backend's reduce-scatter may add the ranks' terms in any order: the ring's start differs
+per chunk, NCCL picks algorithms by size and topology and changes them between versions,
+and the order of arrival can depend on timing (pytorch#120383, #125190). After the
+all-to-all, rank ``j``'s chunk is row ``j`` of the receive buffer however the messages
+arrived, and the sum is a left fold over the rows, ``((c_0 + c_1) + c_2) + ...``, one
+element-wise add per row (no reduction kernel whose blocking or threads could regroup
+terms), then one division. ``deterministic=True`` takes this path even when the
+accumulate dtype equals the wire's (an fp32 all-to-all and fp32 sums), so gradients are
+bitwise equal from run to run for the same world size, whatever the algorithm, the
+backend's version or the timing. HSDP adds a fold over replicas in replica order after the
+fold over shard ranks ([Note: replicas under a reduce policy]).
+
+[Note: replicas under a reduce policy]
+HSDP sums each shard over replicas after the shard-dim reduction. An all-reduce in
+``comm_dtype`` would round every partial sum along its ring again (pytorch#190627: torch's
+``reduce_dtype`` is not even applied on that dim). Under a policy that exchanges, each
+replica's partial sum (in ``accumulate_dtype``) is cast to ``comm_dtype`` and cut into
+``R`` pieces; one all-to-all over the replicas gives each rank the ``R`` partial sums of
+its piece, which it folds in replica order in ``accumulate_dtype``; one all-gather (in
+``accumulate_dtype``) returns every piece to every replica. Every replica receives the same
+values, so replicas stay bitwise in sync, and the result is never rounded to the wire
+dtype. Per rank that sends ``(R - 1) / R`` of the shard in ``comm_dtype`` plus as much in
+``accumulate_dtype``: 1.5x a bf16 ring all-reduce's bytes with bf16/fp32 (0.75x an fp32
+one). Rejected: an all-gather of every replica's partial sum (one collective, but ``R / 2``
+times the all-reduce's bytes on the dim that usually crosses nodes), an all-gather in
+``comm_dtype`` (rounds the final gradient to the wire dtype), and sending the ranks'
+contributions themselves across replicas (``ws`` times the bytes). Partial sums are
+rounded once more, to ``comm_dtype``; the bound becomes ``2 u_comm`` of the mean
+contribution in the worst case (every rank's term with the same sign), and stays under
+``u_comm`` for gradients whose per-rank noise exceeds their mean (docs/reduction.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fsdp2._collectives import PendingCollective, all_gather_flat, all_to_all_flat, wait
+from fsdp2._comm_context import CommContext
+from fsdp2._policies import ReducePolicy, check_accumulates
+from fsdp2._stream_utils import Stream, record_event, use_stream
+
+
+class ReductionPlan(NamedTuple):
+    """How one step reduces a group: the dtype on the wire, and the dtype the ranks'
+    contributions are summed in after an all-to-all (``None``: a reduce-scatter in
+    ``comm_dtype`` sums them)."""
+
+    comm_dtype: torch.dtype
+    accumulate_dtype: torch.dtype | None
+
+
+def plan_reduction(policy: ReducePolicy | None, default: torch.dtype, where: str) -> ReductionPlan:
+    """The plan for a group whose reduce dtype without a policy is ``default``. Raises a
+    ``ValueError`` naming the group when a field left at ``None`` resolves to a wire
+    dtype wider than the explicit accumulate dtype."""
+    if policy is None:
+        return ReductionPlan(default, None)
+    comm_dtype = policy.comm_dtype or default
+    accumulate = policy.accumulate_dtype or torch.promote_types(default, comm_dtype)
+    resolved = "" if policy.comm_dtype else f" (comm_dtype=None is the reduce dtype, {default})"
+    check_accumulates(comm_dtype, accumulate, f"fully_shard: {where}: {policy}{resolved}")
+    if accumulate == comm_dtype and not policy.deterministic:
+        return ReductionPlan(comm_dtype, None)
+    return ReductionPlan(comm_dtype, accumulate)
+
+
+def accumulate_in_rank_order(contributions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sum over rows of ``contributions`` (``(ranks, n)``, row ``j`` from rank ``j``)
+    in ``dtype``, as the left fold ``((row_0 + row_1) + row_2) + ...``: one element-wise
+    add per row, so the order never depends on kernels or timing ([Note: deterministic
+    reduction]). A new tensor, even for one row."""
+    total = contributions[0].to(dtype, copy=True)
+    for row in contributions[1:]:
+        total.add_(row)  # promotes ``row`` exactly, rounds once per add in ``dtype``
+    return total
+
+
+def exchange_chunks(
+    chunks: torch.Tensor,
+    group: dist.ProcessGroup,
+    stream: Stream,
+    comm: CommContext,
+    custom: Any,
+    what: str,
+) -> tuple[torch.Tensor, PendingCollective]:
+    """Issue the all-to-all of ``chunks`` (the reduce input: one chunk per rank,
+    rank-major). Returns the buffer that receives every rank's chunk for this rank (the
+    same size, rank-major) and the collective. Call it with ``stream`` current, so the
+    buffer belongs to that stream. ``custom``: the group's backend allocator
+    (``set_allocate_memory_from_process_group_for_comm``), or None for pooled memory."""
+    numel = chunks.numel()
+    if custom is not None:
+        received = custom.allocate((numel,), dtype=chunks.dtype, device=chunks.device)
+    else:
+        received = comm.host_buffers.empty(numel, chunks.dtype, chunks.device)
+    comm.check_same_collective(what, numel, group)
+    return received, _all_to_all(received, chunks, group, stream, what)
+
+
+def sum_exchanged(
+    received: torch.Tensor,
+    pending: PendingCollective,
+    world_size: int,
+    dtype: torch.dtype,
+    comm: CommContext,
+    pooled: bool,
+) -> tuple[torch.Tensor, PendingCollective]:
+    """Finish an all-to-all from ``exchange_chunks``: sum the ranks' chunks in rank order
+    in ``dtype`` on the reduce-scatter stream (after the collective: the CPU waits for its
+    work, a stream is ordered already). Returns the sum (one chunk) and an event after
+    it for the consumer; ``received`` goes back to the host buffer pool (``pooled``)."""
+    stream = comm.streams.reduce_scatter
+    wait(pending, stream)
+    with use_stream(stream):
+        summed = accumulate_in_rank_order(received.view(world_size, -1), dtype)
+    if pooled:
+        comm.host_buffers.release(received)
+    return summed, PendingCollective(None, record_event(stream), pending.what)
+
+
+def sum_over_replicas(
+    partial: torch.Tensor,
+    group: dist.ProcessGroup,
+    replicas: int,
+    plan: ReductionPlan,
+    stream: Stream,
+    comm: CommContext,
+    what: str,
+) -> tuple[torch.Tensor, PendingCollective]:
+    """HSDP under a policy that exchanges: ``partial`` (this replica's sums, in the
+    accumulate dtype) summed over the ``replicas`` ranks of ``group`` in replica order;
+    see [Note: replicas under a reduce policy]. Runs on ``stream``, which must already be
+    ordered after ``partial``. Returns the sums and the pending all-gather that makes them."""
+    dtype = plan.accumulate_dtype
+    if dtype is None:
+        raise AssertionError("sum_over_replicas needs a plan with an accumulate dtype")
+    numel = partial.numel()
+    piece = -(-numel // replicas)
+    with use_stream(stream):
+        outgoing = torch.empty(replicas * piece, dtype=plan.comm_dtype, device=partial.device)
+        outgoing[:numel].copy_(partial)
+        outgoing[numel:].zero_()
+        incoming = torch.empty_like(outgoing)
+        comm.check_same_collective(f"all-to-all of {what}", outgoing.numel(), group)
+        exchanged = _all_to_all(incoming, outgoing, group, stream, f"all-to-all of {what}")
+    wait(exchanged, stream)
+    with use_stream(stream):
+        mine = accumulate_in_rank_order(incoming.view(replicas, piece), dtype)
+        del outgoing, incoming  # done with: the collective was waited for
+        gathered = torch.empty(replicas * piece, dtype=dtype, device=partial.device)
+        summed = gathered[:numel]  # a view, taken on the stream the buffer belongs to
+        comm.check_same_collective(f"all-gather of {what}", gathered.numel(), group)
+        pending = all_gather_flat(gathered, mine, group, stream, what=f"all-gather of {what}")
+    return summed, pending
+
+
+def _all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    stream: Stream,
+    what: str,
+) -> PendingCollective:
+    """``all_to_all_flat``, with a clear error where the backend has no all-to-all (every
+    rank's backend refuses it at the issue, so all raise together and none hangs)."""
+    try:
+        return all_to_all_flat(output, input, group, stream, what)
+    except (RuntimeError, NotImplementedError) as error:
+        if not _lacks_all_to_all(error):
+            raise
+        backend = dist.get_backend(group)
+        raise RuntimeError(
+            f"fully_shard: the {what} cannot be issued: the process group's backend "
+            f"{backend!r} has no all-to-all ({error}). A ReducePolicy whose accumulate_dtype "
+            f"is wider than its comm_dtype, or with deterministic=True, exchanges gradients "
+            f"with torch.distributed.all_to_all_single. Use a backend that implements it "
+            f"(gloo and nccl do), or let the group reduce-scatter: "
+            f"module.set_reduce_policy(None), or a ReducePolicy with accumulate_dtype equal "
+            f"to comm_dtype and deterministic=False."
+        ) from error
+
+
+def _lacks_all_to_all(error: BaseException) -> bool:
+    """Whether ``error`` says the backend does not implement the all-to-all (c10d's base
+    ``Backend`` raises "Backend <name> does not support alltoall_base")."""
+    if isinstance(error, NotImplementedError):
+        return True
+    message = str(error).lower()
+    return "not support" in message and ("alltoall" in message or "all_to_all" in message)
