@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import pathlib
 import re
 import time
 from typing import Any
@@ -40,10 +41,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
+
+# One definition of the contributions and the simulation for these tests and the docs' plot.
+from benchmarks.reduction import _training_rank, contributions, relative_error, simulated
 from examples.llama import ModelArgs, Transformer, loss_fn, parallelize
-from fsdp2._collectives import PendingCollective
-from fsdp2._comm_context import CommContext
-from fsdp2._reduction import accumulate_in_rank_order, sum_exchanged
 
 BF16, FP32, FP64 = torch.bfloat16, torch.float32, torch.float64
 # bf16 on the wire, fp32 sums: one all-to-all per group.
@@ -58,46 +59,6 @@ SCHEMES: dict[str, fsdp2.ReducePolicy | None] = {
     "bf16 wire, fp32 sums": BF16_WIRE,
 }
 BOUND = 2.0**-8
-
-
-# ------------------------------------------------------------------ contributions
-
-
-def contributions(world_size: int, numel: int, seed: int = 0) -> torch.Tensor:
-    """``(world_size, numel)`` fp32 per-rank gradients of realistic spread: each element
-    has its own scale (log-normal, about eight decades), a mean shared by the ranks (the
-    signal) and per-rank noise twice its size, as minibatch gradients have."""
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.exp(2.0 * torch.randn(numel, generator=gen, dtype=FP64))
-    signal = 0.5 * torch.randn(numel, generator=gen, dtype=FP64)
-    noise = torch.randn(world_size, numel, generator=gen, dtype=FP64)
-    return (scale * (signal + noise)).to(FP32)
-
-
-def relative_error(reduced: torch.Tensor, contribs: torch.Tensor) -> float:
-    """Max over elements of ``|reduced - mean| / mean |contribution|``, the mean in fp64
-    over the ranks' fp32 contributions."""
-    exact = contribs.to(FP64)
-    error = (reduced.to(FP64).flatten() - exact.mean(0)).abs() / exact.abs().mean(0)
-    return error.max().item()
-
-
-def simulated(contribs: torch.Tensor, scheme: str) -> torch.Tensor:
-    """What each scheme gives for ``contribs`` without a process group. bf16 wire: the
-    code a rank runs after the all-to-all (``sum_exchanged`` on the stacked chunks, then
-    the one division ``finish_reduce`` makes). bf16 reduce-scatter: a ring's rounding,
-    each hop adding one rank's term to a bf16 partial sum (the rank-order fold in bf16),
-    then the division in bf16 as gloo's AVG does."""
-    ws = contribs.shape[0]
-    if scheme == "bf16 wire, fp32 sums":
-        received = contribs.to(BF16).reshape(-1)
-        no_work = PendingCollective(None, None)
-        comm = CommContext(torch.device("cpu"))
-        summed, _ = sum_exchanged(received, no_work, ws, FP32, comm, pooled=False)
-        return summed.div_(float(ws))
-    if scheme == "bf16 reduce-scatter":
-        return accumulate_in_rank_order(contribs.to(BF16), BF16).div_(float(ws)).float()
-    return accumulate_in_rank_order(contribs, FP32).div_(float(ws))
 
 
 class Probe(nn.Module):
@@ -174,6 +135,28 @@ def test_bf16_wire_error_simulated_up_to_1024_ranks() -> None:
     assert max(wire.values()) <= BOUND, report
     assert all(ring[ws] > wire[ws] for ws in wire), report
     assert ring[1024] > 8 * BOUND > ring[2], report  # the ring's error grows
+
+
+# ------------------------------------------------------------------ training
+
+
+def _loss_deviation(steps: int) -> dict[str, float]:
+    curves = run_ranks(_training_rank, 4, steps, timeout=900)[0]
+    reference = torch.tensor(curves["fp32 reduce-scatter"])
+    return {
+        name: (torch.tensor(curves[name]) - reference).abs().mean().item()
+        for name in ("bf16 reduce-scatter", "bf16 wire, fp32 sums")
+    }
+
+
+def test_bf16_wire_follows_the_fp32_reduce_loss_curve() -> None:
+    """A tiny Llama with bf16 compute on 4 ranks, 30 steps of benchmarks/reduction.py's
+    training run (its 300-step curves are in docs/reduction.md): the bf16-wire run's
+    losses stay closer to the fp32-reduce run's than the bf16 reduce-scatter run's do."""
+    steps = 30
+    deviation = _loss_deviation(steps)
+    assert deviation["bf16 wire, fp32 sums"] < deviation["bf16 reduce-scatter"], deviation
+    assert deviation["bf16 reduce-scatter"] > 0, deviation
 
 
 # ------------------------------------------------------------------ determinism
@@ -735,3 +718,21 @@ def _default_policy_with_custom_reduce_scatter() -> bool:
 
 def test_the_default_policy_leaves_room_for_a_custom_reduce_scatter() -> None:
     assert all(run_ranks(_default_policy_with_custom_reduce_scatter, 2))
+
+
+# ------------------------------------------------------------------ the docs example
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reduction.md"
+
+
+def _exec_doc_example(source: str, filename: str) -> bool:
+    """Rank function: run the docs example as a script (it asserts its own result)."""
+    exec(compile(source, filename, "exec"), {"__name__": "__main__"})
+    return True
+
+
+def test_docs_example() -> None:
+    """The runnable block of docs/reduction.md (the one that starts a process group)."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+    example = next(block for block in blocks if "init_process_group" in block)
+    assert all(run_ranks(_exec_doc_example, 2, example, str(DOC)))
