@@ -110,14 +110,18 @@ class Probe(torch.nn.Module):
         return (self.weight * x.view_as(self.weight)).sum()
 
 
-def _gloo_errors(numel: int) -> dict[str, float]:
-    """Rank function: each scheme's error for the same contributions on gloo."""
+def _gloo_errors(numel: int, shape: tuple[int, ...] | None = None) -> dict[str, float]:
+    """Rank function: each scheme's error for the same contributions on gloo; ``shape``:
+    an HSDP mesh (replicas, shard ranks) instead of all ranks sharding."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     ws, rank = dist.get_world_size(), dist.get_rank()
     contribs = contributions(ws, numel, 0)
+    mesh = init_device_mesh("cpu", shape or (ws,))
     out = {}
     for name, policy in POLICIES.items():
         probe = Probe(numel)
-        fsdp2.fully_shard(probe, reduce_policy=policy)
+        fsdp2.fully_shard(probe, mesh=mesh, reduce_policy=policy)
         probe(contribs[rank]).backward()
         out[name] = relative_error(probe.weight.grad.full_tensor(), contribs)
     return out
@@ -131,7 +135,8 @@ def precision(gloo_sizes: list[int], numel: int) -> dict[str, Any]:
         for name in POLICIES:
             simulation[name][ws] = relative_error(simulated(contribs, name), contribs)
     gloo = {ws: spawn(_gloo_errors, ws, numel)[0] for ws in gloo_sizes}
-    return {"numel": numel, "simulation": simulation, "gloo": gloo}
+    hsdp = {f"{r}x{s}": spawn(_gloo_errors, r * s, numel, (r, s))[0] for r, s in ((2, 2), (2, 4))}
+    return {"numel": numel, "simulation": simulation, "gloo": gloo, "hsdp": hsdp}
 
 
 # --------------------------------------------------------------------------- launching
@@ -439,7 +444,7 @@ def plot(results: dict[str, Any]) -> list[Path]:
 
 
 def report(results: dict[str, Any], command: str) -> str:
-    lines = [f"# ReducePolicy benchmark ({results['date']})", "", f"`{command}`", ""]
+    lines = [f"# ReducePolicy benchmark ({results['date']})", "", command, ""]
     host = results["host"]
     lines += [f"torch {host['torch']}, {host['cpu']}, {host['cpu_count']} CPUs.", ""]
     if "precision" in results:
@@ -458,6 +463,9 @@ def report(results: dict[str, Any], command: str) -> str:
         for ws, errors in sorted((int(k), v) for k, v in p["gloo"].items()):
             cells = [f"{errors[name]:.2e}" for name in POLICIES]
             lines.append(f"| {ws} (gloo) | " + " | ".join(cells) + " |")
+        for mesh, errors in p.get("hsdp", {}).items():
+            cells = [f"{errors[name]:.2e}" for name in POLICIES]
+            lines.append(f"| HSDP {mesh} (gloo) | " + " | ".join(cells) + " |")
         lines.append("")
     if "step" in results:
         s = results["step"]
@@ -524,22 +532,25 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "reduction.json")
     opts = parser.parse_args()
     sizes = [int(x) for x in opts.world_size.split(",") if x]
-    results: dict[str, Any] = {
-        "date": _dt.date.today().isoformat(),
-        "host": host_info(),
-    }
+    # A run of some parts keeps the other parts of the last run (one report for all).
+    results: dict[str, Any] = json.loads(opts.out.read_text()) if opts.out.exists() else {}
+    results.update(date=_dt.date.today().isoformat(), host=host_info())
+    commands = results.setdefault("commands", {})
+    command = " ".join(["python benchmarks/reduction.py", *sys.argv[1:]])
     if opts.part in ("all", "precision"):
         gloo = [int(x) for x in opts.gloo_precision_sizes.split(",") if x]
         results["precision"] = precision(gloo, opts.numel)
+        commands["precision"] = command
     if opts.part in ("all", "step"):
         results["step"] = step(sizes, opts.timed_steps, opts.warmup, opts.repeats)
+        commands["step"] = command
     if opts.part in ("all", "training"):
         results["training"] = training(opts.train_world_size, opts.steps)
+        commands["training"] = command
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(results, indent=1))
     plot(results)
-    command = "python benchmarks/reduction.py " + " ".join(sys.argv[1:])
-    text = report(results, command.strip())
+    text = report(results, "; ".join(f"{k}: `{v}`" for k, v in commands.items()))
     stamp = _dt.date.today().strftime("%Y%m")
     (RESULTS / f"reduction_cpu_{stamp}.md").write_text(text + "\n")
     print(text)

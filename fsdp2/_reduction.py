@@ -54,10 +54,13 @@ dtype. Per rank that sends ``(R - 1) / R`` of the shard in ``comm_dtype`` plus a
 one). Rejected: an all-gather of every replica's partial sum (one collective, but ``R / 2``
 times the all-reduce's bytes on the dim that usually crosses nodes), an all-gather in
 ``comm_dtype`` (rounds the final gradient to the wire dtype), and sending the ranks'
-contributions themselves across replicas (``ws`` times the bytes). Partial sums are
-rounded once more, to ``comm_dtype``; the bound becomes ``2 u_comm`` of the mean
-contribution in the worst case (every rank's term with the same sign), and stays under
-``u_comm`` for gradients whose per-rank noise exceeds their mean (docs/reduction.md).
+contributions themselves across replicas (``ws`` times the bytes), and partial sums in
+``accumulate_dtype`` (the 1-D error bound, for an fp32 all-reduce's bytes on the dim that
+usually crosses nodes: the wire dtype is the policy's ``comm_dtype`` there too). Partial
+sums are rounded once more, to ``comm_dtype``, so the bound becomes ``2 u_comm`` of the
+mean contribution (every rank's term with the same sign, every rounding maximal);
+measured 1.15 to 1.43 times 2^-8 on 2x4 and 2x2 meshes, below the bf16 reduce-scatter
+and all-reduce's 1.9 to 2.8 (docs/reduction.md).
 """
 
 from __future__ import annotations

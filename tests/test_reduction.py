@@ -118,6 +118,30 @@ def test_bf16_wire_error_on_gloo(world_size: int) -> None:
     assert torch.equal(results[0]["bf16 wire, fp32 sums"], expected), report
 
 
+def _hsdp_errors(shape: tuple[int, int], numel: int) -> dict[str, float]:
+    """Rank function: each scheme's error on an HSDP mesh (replicas, shard ranks)."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    contribs = contributions(ws, numel, 0)
+    out = {}
+    for name, policy in SCHEMES.items():
+        probe = Probe(numel)
+        fsdp2.fully_shard(probe, mesh=init_device_mesh("cpu", shape), reduce_policy=policy)
+        out[name] = relative_error(_reduced(probe, contribs[rank]), contribs)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+def test_bf16_wire_error_with_hsdp(shape: tuple[int, int]) -> None:
+    """HSDP rounds each replica's partial sum to the wire dtype once more ([Note: replicas
+    under a reduce policy]): the bound doubles to 2 * 2^-8, and the error stays below the
+    bf16 reduce-scatter and all-reduce's (reported side by side in the message)."""
+    errors = run_ranks(_hsdp_errors, shape[0] * shape[1], shape, NUMEL, timeout=240)[0]
+    report = f"{shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+    print(report)
+    assert errors["bf16 wire, fp32 sums"] <= 2 * BOUND, report
+    assert errors["bf16 wire, fp32 sums"] < errors["bf16 reduce-scatter"], report
+
+
 def test_bf16_wire_error_simulated_up_to_1024_ranks() -> None:
     """The same per-rank contributions through the code a rank runs after the
     all-to-all, at 2 to 1,024 ranks: within 2^-8 everywhere, while a bf16 ring's error
@@ -271,6 +295,7 @@ def test_fp32_exchange_matches_the_reduce_scatter(world_size: int) -> None:
 @pytest.mark.parametrize(
     ("policy", "model", "world_size"),
     [
+        (FP32_DETERMINISTIC, "llama", 1),  # no collective: the sum of one chunk
         (FP32_DETERMINISTIC, "llama", 2),
         (FP32_DETERMINISTIC, "llama", 3),
         (FP32_DETERMINISTIC, "mlp", 4),  # uneven shapes, empty shards
@@ -594,8 +619,13 @@ FEATURES = [
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize(
     ("policy", "tol"),
-    [(fsdp2.ReducePolicy(deterministic=True), 1e-5), (BF16_WIRE, 2e-2)],
-    ids=["deterministic", "bf16-wire"],
+    [
+        (fsdp2.ReducePolicy(deterministic=True), 1e-5),
+        (BF16_WIRE, 2e-2),
+        # fp16 on the wire: pre-divided before the cast, as fp16 reduce-scatters are.
+        (fsdp2.ReducePolicy(comm_dtype=torch.float16, accumulate_dtype=FP32), 2e-3),
+    ],
+    ids=["deterministic", "bf16-wire", "fp16-wire"],
 )
 def test_composes_with(feature: str, policy: fsdp2.ReducePolicy, tol: float) -> None:
     """Against the non-sharded net: exact (1e-5) with sums in rank order in the
