@@ -509,7 +509,8 @@ def report(results: dict[str, Any], command: str) -> str:
         lines += [
             "## Training",
             "",
-            f"{t['steps']} steps, {t['world_size']} gloo ranks, {t['config']}; |loss - fp32-reduce loss|:",
+            f"{t['steps']} steps, {t['world_size']} gloo ranks, {t['config']}; "
+            "|loss - fp32-reduce loss|:",
             "",
         ]
         for name, d in t["deviation_from_fp32"].items():

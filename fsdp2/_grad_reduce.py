@@ -5,8 +5,9 @@ backward: one fused copy-in of the unsharded gradients into the reduce-scatter i
 out by ``GradientPacking``, ``_grad_pack``), one collective (under a ``ReducePolicy``
 that asks for wider sums or determinism, an all-to-all whose chunks are summed locally:
 ``_reduction``), and, when that is waited on (later, so it overlaps the rest of
-backward), the scaling and the gradient shards assigned to the sharded parameters. The group's layout (``params``, ``_reduce_sizes``, dtypes) and
-runtime switches are ``ParamGroup``'s; this module only reads them.
+backward), the scaling and the gradient shards assigned to the sharded parameters. The
+group's layout (``params``, ``_reduce_sizes``, dtypes) and runtime switches are
+``ParamGroup``'s; this module only reads them.
 
 [Note: reduce-scatter input lifetime]
 On an accelerator the reduce-scatter runs on its own stream and only we know when it is

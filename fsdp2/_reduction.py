@@ -18,14 +18,16 @@ reduce-scatter. Each contribution is rounded once, to ``comm_dtype``, so the err
 element's mean is at most ``(u_comm / (1 + u_comm) + (ws - 1) * u_acc)`` times the mean
 of that element's ``|contributions|``: for bf16 on the wire (``u = 2^-8``) and fp32 sums
 (``2^-24``), 2^-8 up to 257 ranks, and 1.004 * 2^-8 at 1,024 if every rounding went the
-same way; measured errors stay far below (docs/reduction.md). Each rank sends ``ws - 1`` chunks and receives as many,
-the bytes of a ``comm_dtype`` reduce-scatter. The price is memory: the receive buffer holds
-``ws`` chunks where a reduce-scatter's output holds one (the input's size, which gloo's
-reduce-scatter also allocates, for its clone), and the ``accumulate_dtype`` sum, one
-chunk. The sum runs when the reduction is finished, on the reduce-scatter stream, so the
-compute stream waits for it exactly where it waited for the reduce-scatter, and the
-receive buffer is allocated, used and freed on that one stream ([Note: buffer lifetime
-across streams]; on the CPU it goes back to the host buffer pool once the work is done).
+same way; measured 0.95 * 2^-8 at 2 ranks, falling with the world size as independent
+roundings average out (docs/reduction.md). Each rank sends ``ws - 1`` chunks and
+receives as many, the bytes of a ``comm_dtype`` reduce-scatter. The price is memory: the
+receive buffer holds ``ws`` chunks where a reduce-scatter's output holds one (the input's
+size, which gloo's reduce-scatter also allocates, for its clone), and the
+``accumulate_dtype`` sum, one chunk. The sum runs when the reduction is finished, on the
+reduce-scatter stream, so the compute stream waits for it exactly where it waited for the
+reduce-scatter, and the receive buffer is allocated, used and freed on that one stream
+([Note: buffer lifetime across streams]; on the CPU it goes back to the host buffer pool
+once the work is done).
 
 [Note: deterministic reduction]
 A backend's reduce-scatter may add the ranks' terms in any order: the ring's start differs
