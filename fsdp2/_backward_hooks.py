@@ -16,7 +16,7 @@ post-backward), and the methods here run when backward reaches them:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from torch.autograd import Variable
 
 from fsdp2._backward_nodes import ForwardCall
 from fsdp2._comm_context import CommContext
+from fsdp2._comm_records import Phase
 from fsdp2._param_group import ParamGroup
 
 # Debug events of the hooks, named like torch's ("FSDP::pre_forward (layers.0)"), under
@@ -95,6 +96,12 @@ class TreeContext:
             Variable._execution_engine.queue_callback(self.root._finish_backward)
 
 
+# Called with every tree at the end of its lazy init: a schedule trace active before the
+# first forward attaches its recorder to the tree built then ([Note: schedule records] in
+# ``_comm_records``).
+tree_observers: list[Callable[[TreeContext], None]] = []
+
+
 class BackwardHooks:
     """The backward hooks and final callback of a state (mixed into ``FSDPState``).
 
@@ -129,10 +136,10 @@ class BackwardHooks:
         """Some group is unsharded or being all-gathered."""
         return any(g.is_unsharded or g.unshard_pending for g in self.groups)
 
-    def _unshard_and_wait(self) -> None:
+    def _unshard_and_wait(self, phase: Phase) -> None:
         for group in self.groups:
             if not group.is_unsharded:
-                group.unshard()
+                group.unshard(phase=phase)
         for group in self.groups:
             group.wait_for_unshard()
 
@@ -160,7 +167,7 @@ class BackwardHooks:
         self.training_state = TrainingState.PRE_BACKWARD
         if self.groups:
             logger.debug("FSDP::pre_backward (%s)", self.fqn)
-            self._unshard_and_wait()
+            self._unshard_and_wait(Phase.BACKWARD)
             if torch.is_grad_enabled():  # autograd's grad mode is create_graph here
                 self._hold_for_graph()
         if prefetch:
@@ -168,6 +175,8 @@ class BackwardHooks:
         # A buffer the prefetch did not take would sit idle through this block's
         # backward, where memory peaks: see [Note: host buffer pool].
         tree.comm.host_buffers.clear()
+        if tree.comm.recorder is not None:
+            tree.comm.recorder.compute_begins(self, Phase.BACKWARD)
 
     def _prefetch_for_backward(self) -> None:
         tree = self.tree
@@ -185,7 +194,7 @@ class BackwardHooks:
         for target in targets:
             if target._pending_backward_calls > 0 and target.unshard_in_backward:
                 for target_group in target.groups:
-                    target_group.unshard()
+                    target_group.unshard(phase=Phase.BACKWARD_PREFETCH)
 
     def post_backward(self) -> None:
         """Reduce this group's gradients and reshard, once the backward of every forward
@@ -244,6 +253,9 @@ class BackwardHooks:
 
     @torch.no_grad()  # in a create_graph backward, grad mode is on: record nothing
     def _reduce_and_reshard(self) -> None:
+        tree = self.tree
+        if tree is not None and tree.comm.recorder is not None:
+            tree.comm.recorder.compute_ends(self, Phase.BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
         if self.groups:
             logger.debug("FSDP::post_backward (%s)", self.fqn)
@@ -453,6 +465,8 @@ class BackwardHooks:
         tree.in_backward = False
         tree.callback_queued = False
         tree.building_graph = False
+        if tree.comm.recorder is not None:
+            tree.comm.recorder.reset()
 
 
 class _TorchStateContext:

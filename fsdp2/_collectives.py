@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fsdp2._comm_records import CollectiveRecord, stamp
 from fsdp2._stream_utils import Event, Stream, record_event, use_stream, wait_event
 
 
@@ -31,12 +32,17 @@ class PendingCollective(NamedTuple):
     work: Any  # dist.Work or None
     event: Event
     what: str = ""  # e.g. "all-gather of blocks.0 (Block)": named if the collective fails
+    # Its descriptor while a schedule recorder is attached ([Note: schedule records]).
+    record: CollectiveRecord | None = None
 
 
 def wait(pending: PendingCollective | None, consumer: Stream) -> None:
     """Order ``consumer`` (or, on the CPU, the calling thread) after ``pending``."""
     if pending is None:
         return
+    record = pending.record
+    if record is not None:
+        record.recorder.waiting(record, consumer)
     if pending.work is not None:
         try:
             pending.work.wait()
@@ -44,6 +50,8 @@ def wait(pending: PendingCollective | None, consumer: Stream) -> None:
             name_failed_collective(error, pending.what)
             raise
     wait_event(consumer, pending.event)
+    if record is not None:
+        record.recorder.waited(record, consumer)
 
 
 def name_failed_collective(error: BaseException, what: str) -> None:
@@ -63,14 +71,29 @@ def name_failed_collective(error: BaseException, what: str) -> None:
     )
 
 
-def _issue(stream: Stream, what: str, call: Any, *args: Any, **kwargs: Any) -> PendingCollective:
+def _issue(
+    stream: Stream,
+    what: str,
+    record: CollectiveRecord | None,
+    call: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> PendingCollective:
     try:
         if stream is None:
+            if record is not None:
+                record.recorder.issuing(record, stream)
             work = call(*args, async_op=True, **kwargs)
-            return PendingCollective(work, None, what)
+            if record is not None:
+                record.recorder.issued(record, stream, work)
+            return PendingCollective(work, None, what, record)
         with use_stream(stream):
+            if record is not None:
+                record.recorder.issuing(record, stream)
             call(*args, async_op=False, **kwargs)
-            return PendingCollective(None, record_event(stream), what)
+            if record is not None:
+                record.recorder.issued(record, stream, None)
+            return PendingCollective(None, record_event(stream), what, record)
     except RuntimeError as error:
         name_failed_collective(error, what)
         raise
@@ -83,12 +106,15 @@ def all_gather_flat(
     stream: Stream,
     custom: Any = None,
     what: str = "all-gather",
+    record: CollectiveRecord | None = None,
 ) -> PendingCollective:
     """Gather every rank's equal-sized 1-D ``input`` into ``output``, rank-major.
     ``custom``: a callable ``(output, input, group, async_op)`` to use instead (torch's
-    ``AllGather``). ``what``: the collective's name in errors."""
+    ``AllGather``). ``what``: the collective's name in errors. ``record``: its descriptor
+    for a schedule recorder ([Note: schedule records] in ``_comm_records``)."""
     call = custom or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _issue(stream, what, call, output, input, group=group)
+    stamp(record, "all_gather", output.numel() * output.element_size())
+    return _issue(stream, what, record, call, output, input, group=group)
 
 
 def reduce_scatter_flat(
@@ -99,12 +125,15 @@ def reduce_scatter_flat(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     custom: Any = None,
     what: str = "reduce-scatter",
+    record: CollectiveRecord | None = None,
 ) -> PendingCollective:
     """Sum ``input`` (rank-major, ``world_size * output.numel()``) over ranks, scattering
     chunk ``rank`` into ``output``. ``custom``: a callable ``(output, input, group, op,
-    async_op)`` to use instead (torch's ``ReduceScatter``). ``what``: its name in errors."""
+    async_op)`` to use instead (torch's ``ReduceScatter``). ``what``: its name in errors;
+    ``record``: its descriptor for a schedule recorder."""
     call = custom or getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _issue(stream, what, call, output, input, op=op, group=group)
+    stamp(record, "reduce_scatter", input.numel() * input.element_size())
+    return _issue(stream, what, record, call, output, input, op=op, group=group)
 
 
 def all_to_all_flat(
@@ -113,12 +142,15 @@ def all_to_all_flat(
     group: dist.ProcessGroup,
     stream: Stream,
     what: str = "all-to-all",
+    record: CollectiveRecord | None = None,
 ) -> PendingCollective:
     """Send chunk ``r`` of ``input`` (rank-major, ``world_size`` equal chunks) to rank
     ``r``, receiving every rank's chunk for this rank into ``output`` in group rank order
     (the exchange a reduce-scatter does before it sums; see ``_reduction``). ``what``:
-    its name in errors."""
-    return _issue(stream, what, dist.all_to_all_single, output, input, group=group)
+    its name in errors; ``record``: its descriptor for a schedule recorder."""
+    if record is not None:
+        stamp(record, "all_to_all", input.numel() * input.element_size())
+    return _issue(stream, what, record, dist.all_to_all_single, output, input, group=group)
 
 
 def all_reduce_flat(
@@ -127,9 +159,12 @@ def all_reduce_flat(
     stream: Stream,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     what: str = "all-reduce",
+    record: CollectiveRecord | None = None,
 ) -> PendingCollective:
-    """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction)."""
-    return _issue(stream, what, dist.all_reduce, tensor, op=op, group=group)
+    """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction). ``record``:
+    its descriptor for a schedule recorder."""
+    stamp(record, "all_reduce", tensor.numel() * tensor.element_size())
+    return _issue(stream, what, record, dist.all_reduce, tensor, op=op, group=group)
 
 
 def min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2._collectives import PendingCollective, descriptions_if_different, wait
+from fsdp2._comm_records import CollectiveRecord, Phase, ScheduleRecorder, consumed
 from fsdp2._host_buffers import HostBufferPool
 from fsdp2._stream_utils import CommStreams, Event, record_event, wait_stream
 
@@ -91,7 +92,44 @@ class CommContext:
         self.host_buffers = HostBufferPool(device)  # see [Note: host buffer pool]
         # See [Note: ranks that run different paths].
         self.check_collectives = collective_checks_requested()
+        # A schedule recorder (``fsdp2.trace``), and what only its records use: the step
+        # and the sequence number of the next collective; see [Note: schedule records] in
+        # ``_comm_records``.
+        self.recorder: ScheduleRecorder | None = None
+        self.step = 0
+        self.sequence = 0
+        self._step_reduced = False
         _LIVE.add(self)
+
+    def before_collective(
+        self,
+        what: str,
+        numel: int,
+        process_group: dist.ProcessGroup,
+        group: object,
+        phase: Phase = Phase.REDUCE,
+    ) -> CollectiveRecord | None:
+        """Called by ``group`` right before it issues a collective (``what``, of ``numel``
+        elements, on ``process_group``): check that every rank issues the same one, when
+        asked to ([Note: ranks that run different paths]), and return its descriptor, or
+        None when no recorder is attached ([Note: schedule records] in
+        ``_comm_records``)."""
+        if self.check_collectives:
+            self.check_same_collective(what, numel, process_group)
+        recorder = self.recorder
+        if recorder is None:
+            return None
+        self.sequence += 1
+        return CollectiveRecord(recorder, group, phase, self.sequence - 1, self.step)
+
+    def root_forward_begins(self, root: object) -> None:
+        """A root of this context starts a forward (called only while recording): the
+        first one after a step whose gradients were reduced starts the next step."""
+        if self._step_reduced:
+            self.step += 1
+            self._step_reduced = False
+        if self.recorder is not None:
+            self.recorder.root_forward_begins(root, self.step)
 
     def order_all_gathers_after_compute(self) -> None:
         """Make every later all-gather wait for the work queued on the compute stream so
@@ -144,13 +182,20 @@ class CommContext:
         while len(self.reduces) > keep:
             in_flight = self.reduces.pop(0)
             in_flight.group.finish_reduce(in_flight)
+            consumed(in_flight.pending.record)
 
     def finish_all(self) -> None:
         """Finish every reduction in flight and order the compute stream after them: the
         end of the last backward, and before an optimizer step."""
+        recorder = self.recorder
+        if recorder is not None:
+            self._step_reduced = self._step_reduced or bool(self.reduces)
+            recorder.final_wait_begins()
         self.finish_reduces(keep=0)
         streams = self.streams
         wait_stream(streams.compute(), streams.reduce_scatter)
+        if recorder is not None:
+            recorder.final_wait_ends()
 
 
 def finish_all_reductions() -> None:

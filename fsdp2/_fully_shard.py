@@ -24,6 +24,7 @@ from fsdp2._collectives import (
     backend_allocates,
 )
 from fsdp2._comm_context import CommContext
+from fsdp2._comm_records import Phase
 from fsdp2._init import (
     check_param_device,
     check_reshard_after_forward_type,
@@ -408,7 +409,7 @@ class FSDPModule:
         # Called by the user, possibly right after the optimizer step: gather only after
         # the compute stream's writes to the shards (a no-op on the CPU).
         for group in state.groups:
-            group.unshard(after_compute=True)
+            group.unshard(after_compute=True, phase=Phase.UNSHARD)
         if async_op:
             return UnshardHandle(state.groups)
         for group in state.groups:

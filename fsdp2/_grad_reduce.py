@@ -148,17 +148,19 @@ class GradientReduction(GradientPacking):
         with use_stream(stream):
             if accumulate_dtype is not None:  # see [Note: all-to-all reduction]
                 what = f"all-to-all of the gradients of {self.where}"
-                rs_output, pending = exchange_chunks(rs_input, group, stream, comm, custom, what)
+                rs_output, pending = exchange_chunks(
+                    rs_input, group, stream, comm, custom, what, self
+                )
             else:
                 if custom is not None:
                     rs_output = custom.allocate((numel,), dtype=reduce_dtype, device=self.device)
                 else:
                     rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
                 what = f"reduce-scatter of the gradients of {self.where}"
-                comm.check_same_collective(what, rs_input.numel(), group)
+                record = comm.before_collective(what, rs_input.numel(), group, self)
                 op = ReduceOp.AVG if averaged else ReduceOp.SUM
                 pending = reduce_scatter_flat(
-                    rs_output, rs_input, group, stream, op=op, custom=custom, what=what
+                    rs_output, rs_input, group, stream, op, custom, what, record
                 )
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
@@ -328,13 +330,15 @@ class GradientReduction(GradientPacking):
         if plan.accumulate_dtype is not None:  # see [Note: replicas under a reduce policy]
             what = f"the gradients of {self.where} over replicas"
             output, pending = sum_over_replicas(
-                output, replicate_group, self.replicate_size, plan, stream, comm, what
+                output, replicate_group, self.replicate_size, plan, stream, comm, what, self
             )
         else:
             what = f"all-reduce of the gradients of {self.where}"
-            comm.check_same_collective(what, output.numel(), replicate_group)
+            record = comm.before_collective(what, output.numel(), replicate_group, self)
             op = ReduceOp.AVG if averaged else ReduceOp.SUM
-            pending = all_reduce_flat(output, replicate_group, stream, op=op, what=what)
+            pending = all_reduce_flat(
+                output, replicate_group, stream, op=op, what=what, record=record
+            )
         wait(pending, comm.streams.compute())
         return output, positions
 

@@ -85,6 +85,7 @@ from fsdp2._collectives import (
     wait,
 )
 from fsdp2._comm_context import CommContext
+from fsdp2._comm_records import Phase, consumed
 from fsdp2._extensions import has_gather_extension
 from fsdp2._grad_reduce import GradientReduction
 from fsdp2._param import ShardedParam
@@ -492,9 +493,10 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
 
     # -- unshard / reshard -----------------------------------------------------------------
     @outside_transforms
-    def unshard(self, *, after_compute: bool = False) -> None:
+    def unshard(self, *, after_compute: bool = False, phase: Phase = Phase.FORWARD) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
         already in flight). Call ``wait_for_unshard`` before using the parameters.
+        ``phase``: who asked ([Note: schedule records] in ``_comm_records``).
 
         ``after_compute``: order the all-gather after everything queued on the compute
         stream so far. The root's pre-forward does this once per step (the optimizer
@@ -539,8 +541,8 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 pending = PendingCollective(None, record_event(stream))
             else:
                 what = f"all-gather of {self.where}"
-                comm.check_same_collective(what, output.numel(), group)
-                pending = all_gather_flat(output, ag_input, group, stream, custom, what)
+                record = comm.before_collective(what, output.numel(), group, self, phase)
+                pending = all_gather_flat(output, ag_input, group, stream, custom, what, record)
         self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
         comm.all_gathers_in_flight[self] = pending
 
@@ -676,6 +678,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         if self.extensions and not in_flight.from_post_forward:
             for p in self.extensions:
                 p.finish_gather(self.mp_policy.param_dtype or p.dtype)
+        consumed(in_flight.pending.record)
         self.sharded_state = ShardedState.UNSHARDED
         # Extension parameters are rebuilt by their hooks, not views of the buffer.
         watched = None if self.extensions else self._require_unsharded_flat()

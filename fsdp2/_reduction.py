@@ -74,6 +74,7 @@ import torch.distributed as dist
 
 from fsdp2._collectives import PendingCollective, all_gather_flat, all_to_all_flat, wait
 from fsdp2._comm_context import CommContext
+from fsdp2._comm_records import CollectiveRecord
 from fsdp2._policies import ReducePolicy, check_accumulates
 from fsdp2._stream_utils import Stream, record_event, use_stream
 
@@ -120,19 +121,21 @@ def exchange_chunks(
     comm: CommContext,
     custom: Any,
     what: str,
+    owner: object = None,
 ) -> tuple[torch.Tensor, PendingCollective]:
     """Issue the all-to-all of ``chunks`` (the reduce input: one chunk per rank,
     rank-major). Returns the buffer that receives every rank's chunk for this rank (the
     same size, rank-major) and the collective. Call it with ``stream`` current, so the
     buffer belongs to that stream. ``custom``: the group's backend allocator
-    (``set_allocate_memory_from_process_group_for_comm``), or None for pooled memory."""
+    (``set_allocate_memory_from_process_group_for_comm``), or None for pooled memory.
+    ``owner``: the parameter group, for a schedule recorder ([Note: schedule records])."""
     numel = chunks.numel()
     if custom is not None:
         received = custom.allocate((numel,), dtype=chunks.dtype, device=chunks.device)
     else:
         received = comm.host_buffers.empty(numel, chunks.dtype, chunks.device)
-    comm.check_same_collective(what, numel, group)
-    return received, _all_to_all(received, chunks, group, stream, what)
+    record = comm.before_collective(what, numel, group, owner)
+    return received, _all_to_all(received, chunks, group, stream, what, record)
 
 
 def sum_exchanged(
@@ -153,7 +156,8 @@ def sum_exchanged(
         summed = accumulate_in_rank_order(received.view(world_size, -1), dtype)
     if pooled:
         comm.host_buffers.release(received)
-    return summed, PendingCollective(None, record_event(stream), pending.what)
+    # The consumer's wait is still this collective's (its descriptor goes on with it).
+    return summed, PendingCollective(None, record_event(stream), pending.what, pending.record)
 
 
 def sum_over_replicas(
@@ -164,6 +168,7 @@ def sum_over_replicas(
     stream: Stream,
     comm: CommContext,
     what: str,
+    owner: object = None,
 ) -> tuple[torch.Tensor, PendingCollective]:
     """HSDP under a policy that exchanges: ``partial`` (this replica's sums, in the
     accumulate dtype) summed over the ``replicas`` ranks of ``group`` in replica order;
@@ -179,16 +184,18 @@ def sum_over_replicas(
         outgoing[:numel].copy_(partial)
         outgoing[numel:].zero_()
         incoming = torch.empty_like(outgoing)
-        comm.check_same_collective(f"all-to-all of {what}", outgoing.numel(), group)
-        exchanged = _all_to_all(incoming, outgoing, group, stream, f"all-to-all of {what}")
+        named = f"all-to-all of {what}"
+        record = comm.before_collective(named, outgoing.numel(), group, owner)
+        exchanged = _all_to_all(incoming, outgoing, group, stream, named, record)
     wait(exchanged, stream)
     with use_stream(stream):
         mine = accumulate_in_rank_order(incoming.view(replicas, piece), dtype)
         del outgoing, incoming  # done with: the collective was waited for
         gathered = torch.empty(replicas * piece, dtype=dtype, device=partial.device)
         summed = gathered[:numel]  # a view, taken on the stream the buffer belongs to
-        comm.check_same_collective(f"all-gather of {what}", gathered.numel(), group)
-        pending = all_gather_flat(gathered, mine, group, stream, what=f"all-gather of {what}")
+        named = f"all-gather of {what}"
+        record = comm.before_collective(named, gathered.numel(), group, owner)
+        pending = all_gather_flat(gathered, mine, group, stream, what=named, record=record)
     return summed, pending
 
 
@@ -198,11 +205,12 @@ def _all_to_all(
     group: dist.ProcessGroup,
     stream: Stream,
     what: str,
+    record: CollectiveRecord | None = None,
 ) -> PendingCollective:
     """``all_to_all_flat``, with a clear error where the backend has no all-to-all (every
     rank's backend refuses it at the issue, so all raise together and none hangs)."""
     try:
-        return all_to_all_flat(output, input, group, stream, what)
+        return all_to_all_flat(output, input, group, stream, what, record)
     except (RuntimeError, NotImplementedError) as error:
         if not _lacks_all_to_all(error):
             raise

@@ -23,9 +23,17 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp2._backward_hooks import BackwardHooks, TrainingState, TreeContext, logger, run_eagerly
+from fsdp2._backward_hooks import (
+    BackwardHooks,
+    TrainingState,
+    TreeContext,
+    logger,
+    run_eagerly,
+    tree_observers,
+)
 from fsdp2._backward_nodes import EagerPostBackward, ForwardCall, PostBackward
 from fsdp2._comm_context import CommContext
+from fsdp2._comm_records import Phase
 from fsdp2._module_io import cast_floating, map_tensors, tensors_in
 from fsdp2._param import refuse_plain_values
 from fsdp2._param_group import ParamGroup
@@ -360,6 +368,8 @@ class FSDPState(BackwardHooks):
                 else:
                     group.lazy_init(tree.comm, names)
         check_ranks_agree([group for state in states for group in state.groups])
+        for observe in tree_observers:  # e.g. a schedule trace attaching its recorder
+            observe(tree)
         return tree
 
     @property
@@ -401,7 +411,7 @@ class FSDPState(BackwardHooks):
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
-        self._unshard_and_wait()  # no-op for groups already gathered
+        self._unshard_and_wait(Phase.FORWARD)  # no-op for groups already gathered
         if torch.is_grad_enabled():
             args, kwargs = self._claim_post_backward(args, kwargs)
         return args, kwargs
@@ -437,6 +447,9 @@ class FSDPState(BackwardHooks):
         ``reshard_after_forward=False`` gathers once), record the forward order and arm the
         pre-backward trigger on ``output``."""
         grad_enabled = torch.is_grad_enabled()
+        tree = self.tree
+        if tree is not None and tree.comm.recorder is not None:
+            tree.comm.recorder.compute_ends(self, Phase.FORWARD)
         if self.groups:
             logger.debug("FSDP::post_forward (%s)", self.fqn)
             if self.reshard_after_forward:
@@ -450,7 +463,6 @@ class FSDPState(BackwardHooks):
             return output
         # Recorded when the forward ends, not when it starts: backward runs in the reverse
         # of this order (a block before the FSDP submodules inside it, the root first).
-        tree = self.tree
         if tree is not None:
             tree.forward_order.append(self)
             self._forward_positions.append(len(tree.forward_order) - 1)
@@ -479,7 +491,7 @@ class FSDPState(BackwardHooks):
         if tree.in_backward:
             # Activation checkpointing recomputes this forward inside backward.
             self.training_state = TrainingState.FORWARD
-            self._unshard_and_wait()
+            self._unshard_and_wait(Phase.BACKWARD)
             # Reentrant checkpointing ran the original forward without grad, so only the
             # recomputation builds the graph this module's backward runs on.
             self._recompute_registers_backward = (
@@ -517,11 +529,13 @@ class FSDPState(BackwardHooks):
                 targets = self._implicit_forward_prefetch(tree) if in_root_forward else []
             for target in targets:
                 for target_group in target.groups:
-                    target_group.unshard()
+                    target_group.unshard(phase=Phase.FORWARD_PREFETCH)
             for group in groups:
                 group.wait_for_unshard()
         if torch.is_grad_enabled():
             args, kwargs = self._claim_post_backward(args, kwargs)
+        if tree.comm.recorder is not None:
+            tree.comm.recorder.compute_begins(self, Phase.FORWARD)
         return args, kwargs
 
     def _implicit_forward_prefetch(self, tree: TreeContext) -> list[FSDPState]:
@@ -551,6 +565,8 @@ class FSDPState(BackwardHooks):
             raise AssertionError("root pre-forward before lazy init")
         tree.started = True
         logger.debug("FSDP::root_pre_forward")
+        if tree.comm.recorder is not None:
+            tree.comm.root_forward_begins(self)
         tree.last_forward_started = None
         tree.forward_prefetched.clear()
         # A step starts a fresh forward order, unless an earlier forward's backward is

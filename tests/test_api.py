@@ -189,6 +189,7 @@ MODULE_CHAIN = [
     "_spmd",
     "_extensions",
     "_collectives",
+    "_comm_records",
     "_stream_utils",
     "_policies",
 ]
