@@ -30,6 +30,7 @@ from fsdp2._policies import (
     OffloadPolicy,
     ReducePolicy,
 )
+from fsdp2.trace import ScheduleTrace, trace_schedule
 
 __version__ = "0.1.0.dev0"
 
@@ -41,6 +42,7 @@ __all__ = [
     "ModelOptimizerState",
     "OffloadPolicy",
     "ReducePolicy",
+    "ScheduleTrace",
     "UnshardHandle",
     "fully_shard",
     "get_full_state_dict",
@@ -50,4 +52,5 @@ __all__ = [
     "register_fsdp_forward_method",
     "save_checkpoint",
     "share_comm_ctx",
+    "trace_schedule",
 ]

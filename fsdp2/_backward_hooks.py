@@ -466,7 +466,7 @@ class BackwardHooks:
         tree.callback_queued = False
         tree.building_graph = False
         if tree.comm.recorder is not None:
-            tree.comm.recorder.reset()
+            tree.comm.abandon_step()
 
 
 class _TorchStateContext:

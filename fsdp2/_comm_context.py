@@ -131,6 +131,13 @@ class CommContext:
         if self.recorder is not None:
             self.recorder.root_forward_begins(root, self.step)
 
+    def abandon_step(self) -> None:
+        """``reset_iter_state`` dropped a failed step (called only while recording): the
+        next root forward starts a new one."""
+        self._step_reduced = True
+        if self.recorder is not None:
+            self.recorder.reset()
+
     def order_all_gathers_after_compute(self) -> None:
         """Make every later all-gather wait for the work queued on the compute stream so
         far. Called after the compute stream's last use of memory the all-gather stream

@@ -18,6 +18,7 @@ def test_all_is_pinned() -> None:
         "ModelOptimizerState",
         "OffloadPolicy",
         "ReducePolicy",
+        "ScheduleTrace",
         "UnshardHandle",
         "fully_shard",
         "get_full_state_dict",
@@ -27,6 +28,7 @@ def test_all_is_pinned() -> None:
         "register_fsdp_forward_method",
         "save_checkpoint",
         "share_comm_ctx",
+        "trace_schedule",
     ]
     for name in fsdp2.__all__:
         assert getattr(fsdp2, name) is not None
@@ -169,6 +171,8 @@ def test_package_never_imports_torch_fsdp() -> None:
 # a module may import only modules after it.
 MODULE_CHAIN = [
     "__init__",
+    "trace",
+    "_trace_views",
     "pipelining",
     "_checkpoint",
     "_fully_shard",
