@@ -38,6 +38,7 @@ runs on one stream per step, as in every scenario of ``tests/test_stream_races.p
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -101,6 +102,37 @@ class FakeStream:
         return self.name
 
 
+class TimingEvent:
+    """``Event(enable_timing=True)`` on a stand-in stream, for tools that time streams
+    (``fsdp2.trace``): it keeps the stream it was recorded on and the host time. The
+    stand-in device has passed it once ``device_caught_up`` is set (``query()``) or once
+    it is synchronized; ``elapsed_time`` raises before, as CUDA's does."""
+
+    def __init__(self, sanitizer: StreamSanitizer, enable_timing: bool = False) -> None:
+        self.sanitizer = sanitizer
+        self.stream: FakeStream | None = None
+        self.time_ns = 0
+        self.done = False
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.stream = stream if stream is not None else self.sanitizer.current
+        self.time_ns = time.perf_counter_ns()
+        self.sanitizer.timing_events.append(self)
+
+    def query(self) -> bool:
+        self.done = self.done or self.sanitizer.device_caught_up
+        return self.done
+
+    def synchronize(self) -> None:
+        self.sanitizer.synchronized.append(self)
+        self.done = True
+
+    def elapsed_time(self, end: TimingEvent) -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("elapsed_time: an event the device has not completed")
+        return (end.time_ns - self.time_ns) / 1e6
+
+
 class _FakeDeviceModule:
     """What ``torch.get_device_module`` returns for a device with streams, reduced to what
     ``fsdp2._stream_utils`` calls."""
@@ -113,6 +145,9 @@ class _FakeDeviceModule:
 
     def current_stream(self) -> FakeStream:
         return self.sanitizer.current
+
+    def Event(self, enable_timing: bool = False) -> TimingEvent:  # torch's name
+        return TimingEvent(self.sanitizer, enable_timing)
 
     @contextlib.contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:
@@ -146,6 +181,11 @@ class StreamSanitizer:
         self.module = _FakeDeviceModule(self)
         self.races: list[str] = []
         self.max_reports = max_reports
+        # Timing events (``TimingEvent``): every one recorded, those synchronized, and
+        # whether the stand-in device has passed the others.
+        self.timing_events: list[TimingEvent] = []
+        self.synchronized: list[TimingEvent] = []
+        self.device_caught_up = True
         self.ops = 0
         self.ops_by_stream: dict[str, int] = {}  # accesses charged to each stream
         # Set to a list to record every access (operator, stream, epoch, buffer, write,

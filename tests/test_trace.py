@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _launcher import run_ranks
+from _stream_sanitizer import stream_sanitizer
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -484,3 +485,72 @@ def untraced_after_a_trace() -> int:
 
 def test_nothing_recorded_without_a_trace() -> None:
     assert run_ranks(untraced_after_a_trace, 2) == [0, 0]
+
+
+# -- the accelerator path, on the CPU ----------------------------------------------------------
+def traced_with_streams(lagging: bool) -> dict[str, Any]:
+    """Rank function: fsdp2's CUDA code path under the stream sanitizer's stand-in streams
+    and timing events. ``lagging``: the stand-in device passes no event while steps run."""
+    counter = Counter()
+    with stream_sanitizer() as sanitizer:
+        sanitizer.device_caught_up = not lagging
+        model = sharded_net()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        with fsdp2.trace_schedule(model) as trace, counter.patched():
+            for step in range(3):
+                counter.step = step
+                counter.marker = "forward"
+                loss = model(torch.randn(2, DIM)).sum()
+                counter.marker = "backward"
+                loss.backward()
+                counter.marker = "optimizer"
+                optim.step()
+                optim.zero_grad()
+            synced_while_training = len(sanitizer.synchronized)
+            sanitizer.device_caught_up = True
+        streams = model._fsdp_state.tree.comm.streams
+        on = collections.Counter(
+            {streams.all_gather: "all_gather", streams.reduce_scatter: "reduce_scatter"}.get(
+                e.stream, "compute" if e.stream is sanitizer.compute else str(e.stream)
+            )
+            for e in sanitizer.timing_events
+        )
+        races = list(sanitizer.races)
+    mine = trace.to_dict()["ranks"][str(dist.get_rank())]
+    return {
+        "counted": dict(counter.counts),
+        "recorded": dict(recorded(mine)),
+        "problems": check_consistent(mine),
+        "timing": mine["timing"],
+        "synced_while_training": synced_while_training,
+        "synced": len(sanitizer.synchronized),
+        "events_on": dict(on),
+        "races": races,
+    }
+
+
+@pytest.mark.parametrize("lagging", [False, True], ids=["device-caught-up", "device-lagging"])
+def test_device_events_without_sync_on_the_hot_path(lagging: bool) -> None:
+    """On an accelerator the trace records timing events on the streams fsdp2 uses and
+    reads them after the step: while steps run it synchronizes only the one event that
+    ties the device's clock to the host's (at lazy init); events the device has passed
+    are read when the next step starts, the rest when the trace ends."""
+    for result in run_ranks(traced_with_streams, 2, lagging):
+        assert result["races"] == [], result["races"]
+        assert result["timing"] == "device events"
+        assert result["problems"] == [], result["problems"]
+        assert result["counted"] == result["recorded"]
+        assert result["synced_while_training"] == 1, "synchronized on the hot path"
+        kinds = collections.Counter()
+        for (_, _, kind, _), n in result["recorded"].items():
+            kinds[kind] += n
+        # Two events on its own stream per collective (around it); the rest (waits,
+        # copy-outs, windows, the anchor) on the compute stream.
+        on = result["events_on"]
+        assert on["all_gather"] == 2 * kinds["all_gather"], on
+        assert on["reduce_scatter"] == 2 * kinds["reduce_scatter"], on
+        assert set(on) == {"all_gather", "reduce_scatter", "compute"}, on
+        if lagging:  # nothing passed while training: everything read at the end
+            assert result["synced"] == sum(on.values()), result
+        else:  # the steps before the last were read as the device passed them
+            assert result["synced"] < sum(on.values()) / 2, result
