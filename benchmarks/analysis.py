@@ -137,6 +137,10 @@ def summarize(
                 res["memory"] = mem
             res["copy_bytes"] = inst["probe"]["copy_bytes_total"]
             res["copy_roles"] = inst["probe"]["copy_roles"]
+        if "trace" in r0:  # a "+trace" variant: its schedule summary (rank 0's)
+            res["trace"] = r0["trace"]
+            if "trace_png" in r0:
+                res["trace_png"] = r0["trace_png"]
         if "shard_s" in r0:
             res["shard_s"] = max(x["result"].get("shard_s", 0.0) for x in ranks)
         runs = [x["result"].get("ttfs_runs", []) for x in ranks]
@@ -154,6 +158,12 @@ def summarize(
     # Derived figures relative to the non-sharded run.
     plain = results.get(PLAIN, {})
     paired_res = paired(spec.impls, results)
+    for label in results:
+        base = label.removesuffix("+trace")
+        if base != label and base in results:
+            cost = paired([label, base], results)  # traced / untraced, round by round
+            if cost:
+                results[label]["trace_cost"] = cost
     act = 0
     if "probe" in plain:
         tp = plain["probe"]["transient_peak_by_phase"]

@@ -10,6 +10,7 @@ Examples::
     python benchmarks/compare.py --all-configs --world-size 2  # full run, ~10 minutes on 2 cores
     python benchmarks/compare.py --config small-many --fake-world-size 64,256,1024 --plot
     python benchmarks/compare.py --impls torch,torch#2         # instrument self-check
+    python benchmarks/compare.py --config small-many --trace    # + fsdp2 under its schedule trace
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Variant:
     model: nn.Module | None = None
     opt: torch.optim.Optimizer | None = None
     error: dict[str, str] | None = None
+    trace: Any = None  # a "+trace" variant's open (trace_schedule context, ScheduleTrace)
     steps: list[dict[str, float]] = field(default_factory=list)
     warmup: list[dict[str, float]] = field(default_factory=list)
     result: dict[str, Any] = field(default_factory=dict)
@@ -281,6 +283,10 @@ class ConfigRun:
                 if v.sharded:
                     v.model, v.opt, shard_s = self.build_sharded(v.label)
                     v.result["shard_s"] = shard_s
+                    trace_schedule = self.impls[v.label].trace_schedule
+                    if trace_schedule is not None:  # every step of it runs traced
+                        context = trace_schedule(v.model)
+                        v.trace = (context, context.__enter__())
                 else:
                     v.model, v.opt = self.build_plain()
 
@@ -303,10 +309,39 @@ class ConfigRun:
                 if times is not None:
                     (v.warmup if r < spec.warmup else v.steps).append(times)
 
+    def _traced(self, v: Variant) -> bool:
+        impl = self.impls.get(v.label)
+        return impl is not None and impl.trace_schedule is not None
+
+    def end_traces(self) -> None:
+        """End the "+trace" variants' traces (every rank together: their records are
+        gathered onto rank 0) and keep the exposed communication per step, and on rank 0
+        the PNG of the last step when asked (``--trace-png``)."""
+        for v in self.variants:
+            if v.trace is None:
+                continue
+            (context, trace), v.trace = v.trace, None
+
+            def end(context: Any = context, trace: Any = trace, v: Variant = v) -> None:
+                context.__exit__(None, None, None)
+                data = trace.to_dict()
+                v.result["trace"] = data["summary"]
+                png = self.spec.extra.get("trace_png")
+                first = BenchConfig(**self.spec.configs[0]) == self.cfg
+                if png and first and self.rank == 0:
+                    Path(png).parent.mkdir(parents=True, exist_ok=True)
+                    trace.plot(png)
+                    v.result["trace_png"] = png
+
+            self.guarded(v, "trace", end)
+
     def instrumented_step(self) -> None:
         """One step per variant under the collective counter and the dispatch probe (the
-        sharded ones first run one step that times their collective calls alone)."""
+        sharded ones first run one step that times their collective calls alone; a traced
+        variant is left out: it is the same implementation)."""
         for r, v in enumerate(self.order(0)):
+            if self._traced(v):
+                continue
             batch = self.batches[r % len(self.batches)]
 
             def run(v: Variant = v, batch: list = batch) -> dict[str, Any]:
@@ -370,7 +405,7 @@ class ConfigRun:
         """Fresh model each time: shard, first fwd+bwd (lazy init), second fwd+bwd."""
         spec = self.spec
         for r in range(max(spec.ttfs_repeats, 0)):
-            sharded = [v for v in self.order(r) if v.sharded]
+            sharded = [v for v in self.order(r) if v.sharded and not self._traced(v)]
             batch = self.batches[0][0]
             for v in sharded:
 
@@ -415,6 +450,7 @@ class ConfigRun:
         for name, fn in (
             ("build", self.setup),
             ("warmup+timed", self.warmup_and_time),
+            ("traces", self.end_traces),
             ("instrumented", self.instrumented_step),
             ("time_to_first_step", self.time_to_first_step),
         ):
@@ -595,6 +631,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--json", default=None, help=f"output JSON (default {DEFAULT_JSON}; sweep.json for --sweep)"
     )
     p.add_argument("--plot", action="store_true", help="also write PNGs (benchmarks/plot.py)")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also step the first implementation under its schedule trace (label "
+        "'<impl>+trace', fsdp2 only): its exposed communication per config, the tracing "
+        "cost (paired with the untraced steps), and one PNG per world size, "
+        "trace_ws<N>.png next to the JSON",
+    )
     p.add_argument("--report", action="store_true", help="also write benchmarks/results/<date>.md")
     return p.parse_args(argv)
 
@@ -690,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    if (args.trace or args.full) and impls and not any(i.endswith("+trace") for i in impls):
+        impls.append(impls[0] + "+trace")
     defaults = (3, 1, 1) if args.quick else (FULL_STEPS if args.full else (10, 3, 3))
     steps = args.steps if args.steps is not None else defaults[0]
     warmup = args.warmup if args.warmup is not None else defaults[1]
@@ -718,7 +764,12 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     failures: list[str] = []
     t_all = time.perf_counter()
+    out = Path(args.json or (DEFAULT_JSON.with_name("sweep.json") if args.sweep else DEFAULT_JSON))
     for world, fake, configs in jobs:
+        extra: dict[str, Any] = {"impl_path": impl_path} if impl_path else {}
+        if any(i.endswith("+trace") for i in impls):  # one PNG per world size: its first config
+            kind = "fake" if fake else "ws"
+            extra["trace_png"] = str(out.with_name(f"trace_{kind}{world}.png"))
         with tempfile.TemporaryDirectory(prefix="fsdp2_bench_") as tmp:
             spec = RunSpec(
                 configs=configs,
@@ -740,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
                 memory=not args.no_memory,
                 gc_collect=not args.no_gc,
                 foreach=True if args.foreach else None,
-                extra={"impl_path": impl_path} if impl_path else {},
+                extra=extra,
             )
             if args.inprocess and fake:
                 entries, failure = run_inprocess(spec)
@@ -757,7 +808,6 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - t_all
     if failures:
         meta["failures"] = failures
-    out = Path(args.json or (DEFAULT_JSON.with_name("sweep.json") if args.sweep else DEFAULT_JSON))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     print(f"[compare] wrote {out} ({meta['wall_s']:.0f}s)")

@@ -103,13 +103,19 @@ def quick_version(cfg: BenchConfig) -> BenchConfig:
     )
 
 
+TRACED = "+trace"  # "fsdp2+trace": the same implementation, stepped under its schedule trace
+
+
 def load_impl(label: str) -> SimpleNamespace:
-    """``fully_shard`` and its policies for ``label`` ("torch", "fsdp2"; "torch#2" = torch again).
+    """``fully_shard`` and its policies for ``label`` ("torch", "fsdp2"; "torch#2" = torch again;
+    "fsdp2+trace" = fsdp2 stepped inside ``fsdp2.trace_schedule``).
 
     Any ``module`` exposing ``fully_shard``, ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``
     can be named too (e.g. ``mypkg.fsdp``).
     """
     name = label.split("#")[0]
+    traced = name.endswith(TRACED)
+    name = name.removesuffix(TRACED)
     module = "torch.distributed.fsdp" if name == "torch" else name
     mod = importlib.import_module(module)
     missing = [
@@ -122,9 +128,14 @@ def load_impl(label: str) -> SimpleNamespace:
             f"cannot import name(s) {', '.join(missing)} from {module!r} "
             f"({getattr(mod, '__file__', None) or 'namespace package'})"
         )
+    if traced and not hasattr(mod, "trace_schedule"):
+        raise ImportError(
+            f"{label}: {module!r} has no trace_schedule (only fsdp2 records its schedule)"
+        )
     return SimpleNamespace(
         name=label,
         module=module,
+        trace_schedule=getattr(mod, "trace_schedule", None) if traced else None,
         fully_shard=mod.fully_shard,
         MixedPrecisionPolicy=mod.MixedPrecisionPolicy,
         CPUOffloadPolicy=mod.CPUOffloadPolicy,

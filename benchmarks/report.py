@@ -196,7 +196,62 @@ def format_entry(entry: dict) -> str:
         return head + "\n" + "\n".join(errors_of(entry))
     body = table(entry)
     errs = errors_of(entry)
-    return "\n".join([head, body, *(f"! {e}" for e in errs)])
+    traced = [_trace_line(label, res) for label, res in entry["results"].items() if "trace" in res]
+    return "\n".join([head, body, *traced, *(f"! {e}" for e in errs)])
+
+
+def _trace_line(label: str, res: dict) -> str:
+    t = res["trace"]
+    cost = _get(res, "trace_cost", "step_ratio_median")
+    return (
+        f"{label}: exposed communication {_fmt(t['total']['exposed_us'] / 1e6, 'ms')} ms of "
+        f"{_fmt(t['step_us'] / 1e6, 'ms')} ms per step, communication "
+        f"{_fmt(t['total']['comm_us'] / 1e6, 'ms')} ms; tracing cost (paired step ratio) "
+        f"{_fmt(cost, 'x')}"
+    )
+
+
+def exposed_table(runs: list[dict]) -> str:
+    """One row per run with a traced variant: its exposed communication per step (fsdp2
+    only: torch's fully_shard records no schedule) and what tracing cost."""
+    header = (
+        "| config | world | step (ms) | communication (ms) | exposed (ms) | exposed / step "
+        "| overlap | collectives | tracing cost (traced / untraced step) |"
+    )
+    lines = [header, "|" + "---|" * 9]
+    pngs = []
+    for entry in runs:
+        for res in entry.get("results", {}).values():
+            t = res.get("trace")
+            if not t:
+                continue
+            total, step_us = t["total"], t["step_us"]
+            overlap = total.get("overlap")
+            world = f"{entry.get('world_size')}{' (fake)' if entry.get('fake') else ''}"
+            lines.append(
+                f"| {entry.get('config')} | {world} | {_fmt(step_us / 1e6, 'ms')} | "
+                f"{_fmt(total['comm_us'] / 1e6, 'ms')} | {_fmt(total['exposed_us'] / 1e6, 'ms')} | "
+                f"{100 * total['exposed_us'] / step_us if step_us else 0:.1f}% | "
+                f"{'-' if overlap is None else f'{100 * overlap:.0f}%'} | {total['count']:g} | "
+                f"{_fmt(_get(res, 'trace_cost', 'step_ratio_median'), 'x')} |"
+            )
+            if res.get("trace_png"):
+                pngs.append(
+                    f"`{Path(res['trace_png']).name}` ({entry.get('config')}, world {world})"
+                )
+    if len(lines) == 2:
+        return ""
+    notes = [
+        "",
+        "Per step, mean over the traced steps after the first, rank 0 "
+        "(`fsdp2.trace_schedule`, docs/trace.md). torch's `fully_shard` has no equivalent: "
+        "its collectives are not attributed to groups and phases, so only fsdp2 is shown. "
+        "Tracing cost: the median per-round ratio of the traced variant's step time to "
+        "the untraced one's, stepped in the same rounds.",
+    ]
+    if pngs:
+        notes.append("Timelines of one step: " + ", ".join(pngs) + ".")
+    return "\n".join(lines + notes)
 
 
 def markdown(data: dict, notes: str = "") -> str:
@@ -228,6 +283,11 @@ def markdown(data: dict, notes: str = "") -> str:
         targets_table(data.get("runs", [])),
         "",
         *([notes.rstrip(), ""] if notes else []),
+        *(
+            ["## Exposed communication (fsdp2 only)", "", exposed_table(data["runs"]), ""]
+            if exposed_table(data.get("runs", []))
+            else []
+        ),
         "## Ratios (first / second implementation)",
         "",
         "step/fwd/bwd/opt: median times; overhead: step time minus the non-sharded step time; "
