@@ -25,11 +25,18 @@ Run it with::
     torchrun --standalone --nproc-per-node 2 examples/train_llama.py --mixed-precision bf16
     torchrun --standalone --nproc-per-node 2 examples/train_llama.py --checkpoint-dir ckpt
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --checkpoint-dir ckpt --resume
+    torchrun --standalone --nproc-per-node 2 examples/train_llama.py --steps 10 --trace out
 
 With ``--checkpoint-dir`` the model, the optimizer and the step are saved with
 ``fsdp2.save_checkpoint`` (sharded ``torch.distributed.checkpoint``, crash-safe: a killed
 save never replaces the previous checkpoint) every ``--checkpoint-every`` steps and at the
 end; ``--resume`` loads the latest one, at any world size, and continues from its step.
+
+With ``--trace DIR`` the training loop runs inside ``fsdp2.trace_schedule(model)``, and
+rank 0 writes what it recorded across the ranks into DIR: ``summary.txt`` (per group and
+phase: collectives, communication, exposed wait, overlap; the step's exposed
+communication first), ``trace.json`` (Chrome trace events: open it in Perfetto) and
+``schedule.png`` (the last step across ranks). See docs/trace.md.
 
 ``--impl torch`` runs the same script with PyTorch's own
 ``torch.distributed.fsdp.fully_shard`` for comparison. It runs on CPU with the gloo
@@ -46,6 +53,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,6 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "if there is none yet), at any world size; keep --batch-size times the world size "
         "to continue on the same global batches",
     )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="record fsdp2's schedule (fsdp2.trace_schedule) and write summary.txt, "
+        "trace.json (Perfetto) and schedule.png into DIR (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
 
     if args.steps < 1:
@@ -151,6 +166,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--checkpoint-keep must be at least 1")
     if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
         parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.trace is not None:
+        if args.impl != "fsdp2":
+            parser.error("--trace needs --impl fsdp2: torch's fully_shard records no schedule")
+        try:
+            import matplotlib  # noqa: F401  (the PNG; checked before training, not after)
+        except ImportError:
+            parser.error("--trace writes a PNG and needs matplotlib: pip install 'fsdp2[plot]'")
     return args
 
 
@@ -439,6 +461,18 @@ def train(
 # ---------------------------------------------------------------------------------- main
 
 
+def write_trace(trace: Any, directory: str) -> None:
+    """Rank 0: the schedule of every rank, as a table, Chrome trace JSON and a PNG."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = trace.summary()
+    (out / "summary.txt").write_text(summary + "\n")
+    trace.save_chrome_trace(out / "trace.json")
+    trace.plot(out / "schedule.png")
+    print(summary, flush=True)
+    print(f"wrote {out / 'summary.txt'}, {out / 'trace.json'}, {out / 'schedule.png'}", flush=True)
+
+
 def peak_memory_gib(device: torch.device) -> float | None:
     """The largest peak CUDA memory allocated on any rank, or None on CPU."""
     if device.type != "cuda":
@@ -487,7 +521,15 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    result = train(model, optimizer, data, state, args)
+    if args.trace is None:
+        result = train(model, optimizer, data, state, args)
+    else:
+        import fsdp2
+
+        with fsdp2.trace_schedule(model) as trace:
+            result = train(model, optimizer, data, state, args)
+        if rank == 0:
+            write_trace(trace, args.trace)
 
     peak = peak_memory_gib(device)
     if rank == 0:

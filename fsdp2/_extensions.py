@@ -241,3 +241,13 @@ class GatherExtension:
             output.untyped_storage().resize_(0)
         for tensor, _ in self._owned:
             tensor.untyped_storage().resize_(0)
+
+
+def shard_mesh(mesh: DeviceMesh, shard_group: Any) -> DeviceMesh:
+    """The 1-D mesh of the shard dim (HSDP: the last dim), which extensions gather over."""
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if names:
+        return mesh[names[-1]]
+    return DeviceMesh.from_group(shard_group, mesh.device_type)

@@ -86,7 +86,7 @@ from fsdp2._collectives import (
 )
 from fsdp2._comm_context import CommContext
 from fsdp2._comm_records import Phase, consumed
-from fsdp2._extensions import has_gather_extension
+from fsdp2._extensions import has_gather_extension, shard_mesh
 from fsdp2._grad_reduce import GradientReduction
 from fsdp2._param import ShardedParam
 from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -496,7 +496,6 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
     def unshard(self, *, after_compute: bool = False, phase: Phase = Phase.FORWARD) -> None:
         """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
         already in flight). Call ``wait_for_unshard`` before using the parameters.
-        ``phase``: who asked ([Note: schedule records] in ``_comm_records``).
 
         ``after_compute``: order the all-gather after everything queued on the compute
         stream so far. The root's pre-forward does this once per step (the optimizer
@@ -566,7 +565,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         then each extension's inputs, in parameter order, written into this rank's slot of
         the output; see [Note: groups with extensions]."""
         if self._extension_mesh is None:
-            self._extension_mesh = _shard_mesh(self.mesh, self.process_group)
+            self._extension_mesh = shard_mesh(self.mesh, self.process_group)
         pieces: list[torch.Tensor] = []
         for p in self.params:
             if p.extension is not None:
@@ -755,16 +754,6 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 f"holds no post-forward shard to all-gather"
             )
         return self._post_forward_shard
-
-
-def _shard_mesh(mesh: DeviceMesh, shard_group: Any) -> DeviceMesh:
-    """The 1-D mesh of the shard dim (HSDP: the last dim), which extensions gather over."""
-    if mesh.ndim == 1:
-        return mesh
-    names = mesh.mesh_dim_names
-    if names:
-        return mesh[names[-1]]
-    return DeviceMesh.from_group(shard_group, mesh.device_type)
 
 
 # See [Note: aligned unsharded parameters].

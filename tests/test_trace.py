@@ -554,3 +554,18 @@ def test_device_events_without_sync_on_the_hot_path(lagging: bool) -> None:
             assert result["synced"] == sum(on.values()), result
         else:  # the steps before the last were read as the device passed them
             assert result["synced"] < sum(on.values()) / 2, result
+
+
+@pytest.mark.slow
+def test_example_writes_the_trace(tmp_path: Path) -> None:
+    """``examples/train_llama.py --trace DIR`` through torchrun: the summary, the Chrome
+    trace of both ranks and the PNG."""
+    from test_checkpoint import _torchrun
+
+    output = _torchrun("--steps", "3", "--trace", str(tmp_path / "trace"))
+    assert "exposed communication:" in output, output[-2000:]
+    summary = (tmp_path / "trace" / "summary.txt").read_text()
+    assert "step total" in summary and "layers.0" in summary, summary
+    events = json.loads((tmp_path / "trace" / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    assert (tmp_path / "trace" / "schedule.png").read_bytes()[:4] == b"\x89PNG"
