@@ -79,6 +79,10 @@ def _issue(
     *args: Any,
     **kwargs: Any,
 ) -> PendingCollective:
+    if record is not None and not record.kind:  # a collective without its own ``stamp``
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        nbytes = 0 if first is None else first.numel() * first.element_size()
+        stamp(record, getattr(call, "__name__", "collective").removesuffix("_single"), nbytes)
     try:
         if stream is None:
             if record is not None:

@@ -351,3 +351,28 @@ def test_reduce_scatter_input_not_held_through_the_overlap_on_gloo() -> None:
 
     for alive in run_ranks(_reduce_scatter_inputs_alive_at_finish, 2, timeout=90):
         assert len(alive) == 3 and not any(alive), alive
+
+
+def test_trace_variant(tmp_path: Path) -> None:
+    """``--trace`` adds 'fsdp2+trace' (fsdp2 stepped under its schedule trace, in the same
+    rounds): its exposed communication per step and tracing cost, one PNG per world size,
+    and the report's section, which shows fsdp2 only."""
+    from benchmarks import report
+
+    out = tmp_path / "t.json"
+    argv = ["--quick", "--inprocess", "--config", "small-many", "--fake-world-size", "4",
+            "--steps", "2", "--warmup", "0", "--ttfs-repeats", "1", "--layers", "2", "--dim",
+            "64", "--seq", "16", "--trace", "--json", str(out)]  # fmt: skip
+    assert compare.main(argv) == 0
+    (entry,) = json.loads(out.read_text())["runs"]
+    assert entry["impls"] == ["fsdp2", "torch", "fsdp2+trace"]
+    traced = entry["results"]["fsdp2+trace"]
+    assert traced["status"] == "ok", traced.get("error")
+    total = traced["trace"]["total"]
+    # 2 blocks + the root: 3 forward all-gathers, 2 backward, 3 reduce-scatters per step.
+    assert total["count"] == 8, traced["trace"]
+    assert total["exposed_us"] >= 0 and traced["trace_cost"]["of"] == ["fsdp2+trace", "fsdp2"]
+    assert (tmp_path / "trace_fake4.png").read_bytes()[:4] == b"\x89PNG"
+    assert "trace" not in entry["results"]["torch"]
+    section = report.exposed_table(json.loads(out.read_text())["runs"])
+    assert "| small-many | 4 (fake) |" in section and "torch's `fully_shard` has no" in section

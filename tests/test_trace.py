@@ -173,6 +173,7 @@ def traced_training(config: str) -> dict[str, Any]:
     if config == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     model = sharded_net(mesh, **kwargs)
+    untraced = sharded_net(mesh, **kwargs)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     counter = Counter()
     microbatches = 3 if config == "accumulation" else 1
@@ -197,7 +198,22 @@ def traced_training(config: str) -> dict[str, Any]:
                 optim.zero_grad()
                 counter.marker = "idle"
     mine = trace.to_dict()["ranks"][str(rank)]
+    # The same steps untraced: tracing changes no number.
+    reference = torch.optim.SGD(untraced.parameters(), lr=0.1)
+    for step in range(3):
+        for micro in range(microbatches):
+            untraced.set_requires_gradient_sync(micro == microbatches - 1)
+            x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(rank + step))
+            untraced(x).sum().backward()
+        reference.step()
+        reference.zero_grad()
+    differ = [
+        name
+        for (name, a), b in zip(model.named_parameters(), untraced.parameters())
+        if not torch.equal(a.to_local(), b.to_local())
+    ]
     return {
+        "differ": differ,
         "counted": dict(counter.counts),
         "recorded": dict(recorded(mine)),
         "problems": check_consistent(mine),
@@ -233,6 +249,7 @@ def test_recorded_collectives_equal_counted(config: str, world: int) -> None:
         counted, traced = result["counted"], result["recorded"]
         where = f"[{config}, rank {rank}]\ncounted:\n{_table(counted)}\ntraced:\n{_table(traced)}"
         assert result["problems"] == [], f"{where}\n{result['problems']}"
+        assert result["differ"] == [], "tracing changed the training"
         # One trace step per optimizer step: accumulation's microbatches included.
         assert result["steps"] == [0, 1, 2], where
         if config == "unshard_async":
