@@ -326,6 +326,12 @@ class ConfigRun:
                 context.__exit__(None, None, None)
                 data = trace.to_dict()
                 v.result["trace"] = data["summary"]
+                if self.rank == 0:
+                    text = trace.summary()
+                    v.result["trace"]["text"] = text
+                    print(
+                        f"[compare] {self.cfg.name} W={self.world} {v.label}:\n{text}", flush=True
+                    )
                 png = self.spec.extra.get("trace_png")
                 first = BenchConfig(**self.spec.configs[0]) == self.cfg
                 if png and first and self.rank == 0:

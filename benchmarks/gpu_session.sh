@@ -9,10 +9,13 @@
 #      kept across steps;
 #   2. the GPU step-time and memory target: benchmarks/compare.py --device cuda --config gpu-1b
 #      (a ~0.94B-parameter Llama, bf16, one 2048-token sequence per step), fsdp2 against
-#      torch's fully_shard in one run, then the report.
+#      torch's fully_shard in one run, then the report;
+#   3. one schedule trace of gpu-1b (fsdp2.trace_schedule, timing events on the CUDA
+#      streams): its summary in gpu_trace.log and the JSON, the step's PNG trace_ws1.png,
+#      and the tracing cost against untraced fsdp2 in the same rounds.
 #
-# Each part has its own time limit, so the whole run ends within about 8 minutes; a part that
-# fails does not stop the next one. Usage (device tool): bash benchmarks/gpu_session.sh
+# Each part has its own time limit, so the whole run ends within about 10 minutes; a part
+# that fails does not stop the next one. Usage (device tool): bash benchmarks/gpu_session.sh
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,4 +44,8 @@ timeout 420 "$python" benchmarks/compare.py --device cuda --config gpu-1b --step
 if [ -f "$out/gpu-1b.json" ]; then
     "$python" -m benchmarks.report --json "$out/gpu-1b.json" --out "$out/gpu-1b.md" || status=1
 fi
+echo "== schedule trace: gpu-1b on one GPU, fsdp2 traced and untraced"
+timeout 150 "$python" benchmarks/compare.py --device cuda --config gpu-1b --impls fsdp2 --trace \
+    --steps 4 --warmup 2 --ttfs-repeats 0 --no-memory --json "$out/gpu-1b-trace.json" 2>&1 |
+    tee "$out/gpu_trace.log" || status=1
 exit "$status"

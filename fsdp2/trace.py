@@ -199,7 +199,7 @@ class _Recorder:
             self.clock = _DeviceClock(comm.device, streams.compute())
         self.trees: list[TreeContext] = []
         self.group_names: dict[int, str] = {}  # id -> suffix after the group's path
-        self.state_names: dict[int, tuple[str, bool]] = {}  # id -> (name, is a root)
+        self.states: set[int] = set()  # ids of the traced trees' states
         self.steps: dict[int, _Step] = {}
         self.open: dict[tuple[int, Phase], _Window] = {}
         self.final: _Window | None = None
@@ -212,7 +212,7 @@ class _Recorder:
             return
         self.trees.append(tree)
         for state in tree.states:
-            self.state_names[id(state)] = (state.fqn or "(root)", state is tree.root)
+            self.states.add(id(state))
             for i, group in enumerate(state.groups):
                 self.group_names[id(group)] = f" [mesh {i}]" if len(state.groups) > 1 else ""
 
@@ -308,11 +308,11 @@ class _Recorder:
 
     # -- ScheduleRecorder: windows -------------------------------------------------------
     def compute_begins(self, state: Any, phase: Phase) -> None:
-        named = self.state_names.get(id(state))
         key = (id(state), phase)
-        if named is None or key in self.open:
+        if id(state) not in self.states or key in self.open:
             return
-        self.open[key] = self._window(phase.value, named[0], root=named[1])
+        name = getattr(state, "fqn", "") or "(root)"
+        self.open[key] = self._window(phase.value, name, root=getattr(state, "is_root", False))
         self._step(self.comm.step)
 
     def compute_ends(self, state: Any, phase: Phase) -> None:
@@ -325,7 +325,7 @@ class _Recorder:
             self._end(self.open.pop(key), aborted)
 
     def root_forward_begins(self, root: Any, step: int) -> None:
-        if id(root) not in self.state_names:
+        if id(root) not in self.states:
             return
         self._close_open(None, aborted=True)  # a forward that never finished (no reset)
         fresh = step not in self.steps

@@ -343,6 +343,9 @@ def outputs(directory: str) -> dict[str, Any]:
             model(torch.randn(2, DIM)).sum().backward()
             optim.step()
             optim.zero_grad()
+    assert "; step 1." in trace.summary(step=1).splitlines()[0]
+    with pytest.raises(ValueError, match="no step 7 recorded"):
+        trace.summary(step=7)
     if dist.get_rank() == 0:
         trace.save_chrome_trace(Path(directory) / "trace.json")
         trace.plot(Path(directory) / "step.png")
