@@ -117,7 +117,8 @@ def all_gather_flat(
     ``AllGather``). ``what``: the collective's name in errors. ``record``: its descriptor
     for a schedule recorder ([Note: schedule records] in ``_comm_records``)."""
     call = custom or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    stamp(record, "all_gather", output.numel() * output.element_size())
+    if record is not None:
+        stamp(record, "all_gather", output.numel() * output.element_size())
     return _issue(stream, what, record, call, output, input, group=group)
 
 
@@ -136,7 +137,8 @@ def reduce_scatter_flat(
     async_op)`` to use instead (torch's ``ReduceScatter``). ``what``: its name in errors;
     ``record``: its descriptor for a schedule recorder."""
     call = custom or getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    stamp(record, "reduce_scatter", input.numel() * input.element_size())
+    if record is not None:
+        stamp(record, "reduce_scatter", input.numel() * input.element_size())
     return _issue(stream, what, record, call, output, input, op=op, group=group)
 
 
@@ -167,7 +169,8 @@ def all_reduce_flat(
 ) -> PendingCollective:
     """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction). ``record``:
     its descriptor for a schedule recorder."""
-    stamp(record, "all_reduce", tensor.numel() * tensor.element_size())
+    if record is not None:
+        stamp(record, "all_reduce", tensor.numel() * tensor.element_size())
     return _issue(stream, what, record, dist.all_reduce, tensor, op=op, group=group)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2._collectives import PendingCollective, descriptions_if_different, wait
-from fsdp2._comm_records import CollectiveRecord, Phase, ScheduleRecorder, consumed
+from fsdp2._comm_records import CollectiveRecord, Phase, ScheduleRecorder
 from fsdp2._host_buffers import HostBufferPool
 from fsdp2._stream_utils import CommStreams, Event, record_event, wait_stream
 
@@ -189,7 +189,9 @@ class CommContext:
         while len(self.reduces) > keep:
             in_flight = self.reduces.pop(0)
             in_flight.group.finish_reduce(in_flight)
-            consumed(in_flight.pending.record)
+            record = in_flight.pending.record
+            if record is not None:
+                record.recorder.consumed(record)
 
     def finish_all(self) -> None:
         """Finish every reduction in flight and order the compute stream after them: the

@@ -126,14 +126,7 @@ class ScheduleRecorder(Protocol):
     def reset(self) -> None: ...
 
 
-def stamp(record: CollectiveRecord | None, kind: str, nbytes: int) -> None:
+def stamp(record: CollectiveRecord, kind: str, nbytes: int) -> None:
     """Set the kind and payload of ``record`` (the collectives layer, at issue)."""
-    if record is not None:
-        record.kind = kind
-        record.nbytes = nbytes
-
-
-def consumed(record: CollectiveRecord | None) -> None:
-    """Tell the recorder that the result of ``record``'s collective has been used."""
-    if record is not None:
-        record.recorder.consumed(record)
+    record.kind = kind
+    record.nbytes = nbytes

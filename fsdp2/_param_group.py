@@ -85,7 +85,7 @@ from fsdp2._collectives import (
     wait,
 )
 from fsdp2._comm_context import CommContext
-from fsdp2._comm_records import Phase, consumed
+from fsdp2._comm_records import Phase
 from fsdp2._extensions import has_gather_extension, shard_mesh
 from fsdp2._grad_reduce import GradientReduction
 from fsdp2._param import ShardedParam
@@ -677,7 +677,9 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         if self.extensions and not in_flight.from_post_forward:
             for p in self.extensions:
                 p.finish_gather(self.mp_policy.param_dtype or p.dtype)
-        consumed(in_flight.pending.record)
+        record = in_flight.pending.record
+        if record is not None:  # a schedule recorder: [Note: schedule records]
+            record.recorder.consumed(record)
         self.sharded_state = ShardedState.UNSHARDED
         # Extension parameters are rebuilt by their hooks, not views of the buffer.
         watched = None if self.extensions else self._require_unsharded_flat()

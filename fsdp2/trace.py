@@ -137,7 +137,7 @@ class _DeviceClock:
 
 
 # -- what is recorded ------------------------------------------------------------------------
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Collective:
     seq: int
     kind: str
@@ -157,7 +157,7 @@ class _Collective:
     consumed: Any = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Window:
     kind: str  # "forward", "backward", "optimizer", "final wait"
     name: str
@@ -169,7 +169,7 @@ class _Window:
     aborted: bool = False  # closed by reset_iter_state, or left open by the step
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Step:
     index: int
     begin: Any
