@@ -365,6 +365,9 @@ class _Recorder:
         self._close_open(None, aborted=True)
         while self.optimizer:
             self._end(self.optimizer.pop(), aborted=True)
+        for step in self.steps.values():  # works still in flight: fsdp2 keeps its own
+            for collective in step.collectives:
+                collective.work = None
 
     # -- reading ---------------------------------------------------------------------------
     def resolve(self, step: _Step, block: bool) -> bool:
