@@ -79,14 +79,21 @@ def _recording(log: list[tuple]) -> Any:
 
     real_ag, real_rs = _param_group.all_gather_flat, _grad_reduce.reduce_scatter_flat
 
-    def all_gather_flat(output, input, group, stream, custom=None, what="all-gather"):
+    def all_gather_flat(output, input, group, stream, custom=None, what="all-gather", record=None):
         log.append(("all_gather", stream.name, dist.get_world_size(group)))
-        return real_ag(output, input, group, None, custom, what)
+        return real_ag(output, input, group, None, custom, what, record)
 
     def reduce_scatter_flat(
-        output, input, group, stream, op=dist.ReduceOp.SUM, custom=None, what="reduce-scatter"
+        output,
+        input,
+        group,
+        stream,
+        op=dist.ReduceOp.SUM,
+        custom=None,
+        what="reduce-scatter",
+        record=None,
     ):
-        return real_rs(output, input, group, None, op, custom, what)
+        return real_rs(output, input, group, None, op, custom, what, record)
 
     real_unshard, real_reshard = _param_group.ParamGroup.unshard, _param_group.ParamGroup.reshard
 
