@@ -5,7 +5,9 @@ Reading order for the implementation: ``_fully_shard`` (API) -> ``_init`` (valid
 discovery) -> ``_state`` (hooks, lazy init, final callback) -> ``_param_group`` (per-group
 unshard/reshard) -> ``_grad_reduce`` (per-group gradient reduction) -> ``_comm_context``
 (streams and reductions shared by a tree) -> ``_param`` (one parameter's views) ->
-``_collectives`` -> ``_stream_utils``. ``docs/design.md`` indexes the named notes.
+``_collectives`` -> ``_stream_utils``. Above the runtime and imported by nothing in it:
+``trace`` (``trace_schedule``, the schedule trace). ``docs/design.md`` indexes the named
+notes.
 """
 
 from fsdp2._checkpoint import (
