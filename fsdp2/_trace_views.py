@@ -12,8 +12,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-_KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce")
-_PHASE_ORDER = ("forward", "forward, prefetched", "backward", "backward, prefetched", "unshard")
+_KIND_ORDER = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+_PHASE_ORDER = (
+    "forward",
+    "forward, prefetched",
+    "backward",
+    "backward, prefetched",
+    "unshard",
+    "reduction",
+)
 
 
 def kind_name(kind: str) -> str:
@@ -320,8 +327,10 @@ _COLORS = {
     ("all_gather", "backward"): "#38761d",
     ("all_gather", "backward, prefetched"): "#93c47d",
     ("all_gather", "unshard"): "#8e7cc3",
+    ("all_gather", "reduction"): "#a61c00",  # HSDP's sum over replicas under a reduce policy
     "reduce_scatter": "#e69138",
     "all_reduce": "#a61c00",
+    "all_to_all": "#b45f06",
     "other": "#c27ba0",
     "exposed": "#cc0000",
 }
@@ -459,6 +468,8 @@ def plot_step(every: dict[int, dict[str, Any]], step: int | None, path: Path) ->
         Patch(facecolor="#ffffff", edgecolor="#666666", hatch="///", label="prefetched"),
         Patch(facecolor=_COLORS["reduce_scatter"], label="reduce-scatter"),
     ]
+    if "all_to_all" in kinds:
+        legend.append(Patch(facecolor=_COLORS["all_to_all"], label="all-to-all (reduce policy)"))
     if "all_reduce" in kinds:
         legend.append(Patch(facecolor=_COLORS["all_reduce"], label="all-reduce (HSDP)"))
     axes.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.4 / height),

@@ -285,6 +285,11 @@ class _Recorder:
         data = record.data
         if data is None:
             return
+        if consumer is not None and consumer != self.comm.streams.compute():
+            # One side stream waiting for another (a reduce policy's all-to-all, summed on
+            # the reduce-scatter stream): no compute waits; the compute stream's own wait
+            # for the result comes later, with the same record.
+            return
         begin = self.clock.stamp(consumer)
         work = data.work
         if work is not None and data.polled_ns is None and data.callback_ns is None:
@@ -296,8 +301,8 @@ class _Recorder:
 
     def waited(self, record: CollectiveRecord, consumer: Any) -> None:
         data = record.data
-        if data is None or not data.waits:
-            return
+        if data is None or not data.waits or data.waits[-1][1] is not None:
+            return  # not a wait of the compute stream (see ``waiting``)
         data.waits[-1][1] = self.clock.stamp(consumer)
         data.work = None  # what fsdp2 holds until now; dropped with its pending collective
 

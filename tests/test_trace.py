@@ -42,7 +42,10 @@ COLLECTIVES = {
     "reduce_scatter_single": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all",
 }
+# The methods that reduce gradients: every collective issued under them is a reduction.
+REDUCING = {"reduce_grads", "finish_reduce", "_all_reduce_replicas"}
 
 
 class Block(nn.Module):
@@ -90,10 +93,10 @@ class Counter:
 
     def wrap(self, kind: str, fn: Any) -> Any:
         def counting(*args: Any, **kwargs: Any) -> Any:
-            group, prefetched = _issuer()
+            group, prefetched, reducing = _issuer()
             if group is not None:  # a collective of fsdp2's schedule
-                phase = "backward" if kind != "all_gather" else self.marker
-                if kind == "all_gather" and prefetched and phase in ("forward", "backward"):
+                phase = "reduction" if reducing else self.marker
+                if prefetched and phase in ("forward", "backward"):
                     phase += ", prefetched"
                 self.counts[(self.step, group, kind, phase)] += 1
                 self.order.append((group, kind, phase))
@@ -113,19 +116,22 @@ class Counter:
                 setattr(dist, name, fn)
 
 
-def _issuer() -> tuple[str | None, bool]:
-    """The group whose method issues the collective being called (from the stack), and
-    whether a hook of another state asked for it."""
+def _issuer() -> tuple[str | None, bool, bool]:
+    """The group whose method issues the collective being called (from the stack),
+    whether a hook of another state asked for it, and whether it reduces gradients."""
     frame = sys._getframe(2)
     group: ParamGroup | None = None
+    reducing = False
     while frame is not None:
         owner = frame.f_locals.get("self")
         if group is None and isinstance(owner, ParamGroup):
             group = owner
+            reducing = frame.f_code.co_name in REDUCING
         elif group is not None and isinstance(owner, FSDPState):
-            return group.path or "(root)", not any(g is group for g in owner.groups)
+            prefetched = not any(g is group for g in owner.groups)
+            return group.path or "(root)", prefetched and not reducing, reducing
         frame = frame.f_back
-    return (None, False) if group is None else (group.path or "(root)", False)
+    return (None, False, False) if group is None else (group.path or "(root)", False, reducing)
 
 
 def recorded(trace: dict[str, Any]) -> collections.Counter[tuple[int, str, str, str]]:
@@ -170,8 +176,11 @@ def traced_training(config: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if config == "no_reshard":
         kwargs["reshard_after_forward"] = False
-    if config == "hsdp":
+    if config.startswith("hsdp"):
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if config.endswith("policy"):  # the blocks exchange with all-to-alls (issue 28)
+        bf16_wire = fsdp2.ReducePolicy(comm_dtype=torch.bfloat16, accumulate_dtype=torch.float32)
+        kwargs["reduce_policy"] = bf16_wire
     model = sharded_net(mesh, **kwargs)
     untraced = sharded_net(mesh, **kwargs)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -223,6 +232,14 @@ def traced_training(config: str) -> dict[str, Any]:
     }
 
 
+EXPECTED_KINDS = {
+    "hsdp": {"all_gather", "reduce_scatter", "all_reduce"},
+    "reduce_policy": {"all_gather", "reduce_scatter", "all_to_all"},
+    # Replicas under the policy: an all-to-all and an all-gather (in the reduction).
+    "hsdp_policy": {"all_gather", "reduce_scatter", "all_to_all", "all_reduce"},
+}
+
+
 def _table(counts: dict[tuple[int, str, str, str], int]) -> str:
     return "\n".join(f"  {key}: {n}" for key, n in sorted(counts.items()))
 
@@ -242,6 +259,8 @@ def _aggregate(counts: dict[tuple[int, str, str, str], int]) -> collections.Coun
         ("accumulation", 2),
         ("hsdp", 4),
         ("unshard_async", 2),
+        ("reduce_policy", 2),
+        ("hsdp_policy", 4),
     ],
 )
 def test_recorded_collectives_equal_counted(config: str, world: int) -> None:
@@ -259,8 +278,11 @@ def test_recorded_collectives_equal_counted(config: str, world: int) -> None:
         else:
             assert counted == traced, where
         kinds = {key[2] for key in traced}
-        assert kinds == ({"all_gather", "reduce_scatter", "all_reduce"} if config == "hsdp"
-                         else {"all_gather", "reduce_scatter"}), where  # fmt: skip
+        assert kinds == EXPECTED_KINDS.get(config, {"all_gather", "reduce_scatter"}), where
+        if config.endswith("policy"):  # the blocks' reductions, the root's reduce-scatter
+            exchanges = 2 if config == "hsdp_policy" else 1  # + the replicas' all-to-all
+            assert traced[(1, "blocks.0", "all_to_all", "reduction")] == exchanges, where
+            assert traced[(1, "(root)", "reduce_scatter", "reduction")] == 1, where
         phases = {key[3] for key in traced}
         if config in ("default", "accumulation"):
             # The CPU's implicit forward prefetch from step 1 on, the backward prefetch.
