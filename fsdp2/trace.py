@@ -154,6 +154,7 @@ class _Collective:
     polled_ns: int | None = None
     waits: list[list[Any]] = field(default_factory=list)  # [begin, end] tokens
     in_final_wait: bool = False
+    side_waited: bool = False  # a side stream waited for it (not compute)
     consumed: Any = None
 
 
@@ -289,6 +290,7 @@ class _Recorder:
             # One side stream waiting for another (a reduce policy's all-to-all, summed on
             # the reduce-scatter stream): no compute waits; the compute stream's own wait
             # for the result comes later, with the same record.
+            data.side_waited = True
             return
         begin = self.clock.stamp(consumer)
         work = data.work
@@ -449,7 +451,7 @@ def _collective_dict(c: _Collective, origin_ns: int) -> dict[str, Any]:
         "completion": completion,
         "waits_us": [[_us(b, origin_ns), _us(e, origin_ns)] for b, e in waits],
         "exposed_us": exposed / 1e3,
-        "waited": bool(waits),
+        "waited": bool(waits) or c.side_waited,
         "in_final_wait": c.in_final_wait,
         "consumed_us": _us(c.consumed, origin_ns),
     }
