@@ -336,9 +336,7 @@ class GradientReduction(GradientPacking):
             what = f"all-reduce of the gradients of {self.where}"
             record = comm.before_collective(what, output.numel(), replicate_group, self)
             op = ReduceOp.AVG if averaged else ReduceOp.SUM
-            pending = all_reduce_flat(
-                output, replicate_group, stream, op=op, what=what, record=record
-            )
+            pending = all_reduce_flat(output, replicate_group, stream, op, what, record)
         wait(pending, comm.streams.compute())
         return output, positions
 
