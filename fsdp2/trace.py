@@ -194,7 +194,9 @@ class _Recorder:
         self.comm = comm
         self.device = comm.device.type
         streams = comm.streams
-        if streams.all_gather is None:
+        # A CPU tree keeps host clocks even with side streams: those are the stream
+        # checker's stand-ins, and a tree made under it may outlive it (tests).
+        if streams.all_gather is None or _stream_utils.device_module(comm.device) is None:
             self.clock: _HostClock | _DeviceClock = _HostClock()
         else:
             self.clock = _DeviceClock(comm.device, streams.compute())
