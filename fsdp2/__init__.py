@@ -32,6 +32,7 @@ from fsdp2._policies import (
     OffloadPolicy,
     ReducePolicy,
 )
+from fsdp2.optim import set_optimizer_fast_path
 from fsdp2.trace import ScheduleTrace, trace_schedule
 
 __version__ = "0.1.0.dev0"
@@ -53,6 +54,7 @@ __all__ = [
     "load_full_state_dict",
     "register_fsdp_forward_method",
     "save_checkpoint",
+    "set_optimizer_fast_path",
     "share_comm_ctx",
     "trace_schedule",
 ]

@@ -27,6 +27,7 @@ def test_all_is_pinned() -> None:
         "load_full_state_dict",
         "register_fsdp_forward_method",
         "save_checkpoint",
+        "set_optimizer_fast_path",
         "share_comm_ctx",
         "trace_schedule",
     ]
@@ -174,6 +175,7 @@ MODULE_CHAIN = [
     "trace",
     "_trace_views",
     "pipelining",
+    "optim",
     "_checkpoint",
     "_fully_shard",
     "_init",
