@@ -32,6 +32,7 @@ from fsdp2._policies import (
     OffloadPolicy,
     ReducePolicy,
 )
+from fsdp2.clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from fsdp2.optim import set_optimizer_fast_path
 from fsdp2.trace import ScheduleTrace, trace_schedule
 
@@ -47,8 +48,11 @@ __all__ = [
     "ReducePolicy",
     "ScheduleTrace",
     "UnshardHandle",
+    "clip_grad_norm_",
+    "clip_grads_with_norm_",
     "fully_shard",
     "get_full_state_dict",
+    "get_total_norm",
     "init_sharded_",
     "load_checkpoint",
     "load_full_state_dict",

@@ -1,0 +1,302 @@
+"""Gradient norms and clipping over sharded gradients, on their plain local shards.
+
+``torch.nn.utils.clip_grad_norm_`` over ``DTensor`` gradients works, but dispatches every
+per-gradient norm and multiplication through ``DTensor`` and leaves a partial norm to be
+reduced later. Here each rank takes the norms of its local shards with the same kernels
+torch uses (``torch._foreach_norm`` per device and dtype, or one norm per tensor), then
+combines them across ranks with as few all-reduces as the layouts allow.
+
+[Note: one all-reduce per set of sharded mesh dims]
+A ``DTensor`` gradient's local norm covers the elements of its shard. The whole tensor's
+elements are spread over the mesh dims it is sharded on (``Shard``, ``_StridedShard``), and
+repeated over the dims it is replicated on, so the contributions (the norm to the power
+``p``; the norm itself for ``inf``) are summed (``MAX`` for ``inf``, ``MIN`` for ``-inf``)
+over the sharded dims only. The replicate dim of HSDP holds equal gradients and is not
+summed again; the tensor-parallel dim of a TP-sharded weight is. Gradients sharded over
+the same dims are summed locally first, so there is one all-reduce per distinct set
+of sharded dims, and nested sets share theirs: with FSDP + TP, the (dp, tp) set is
+reduced over tp and then folded into the (dp) set of the TP-replicated norms, which one
+all-reduce over dp completes (two collectives, as two flattened groups would take).
+Plain tensors contribute their local norm as torch's function does; the sets are built
+in the order the gradients come, the same on every rank, so every rank issues the same
+collectives. A ``Partial`` gradient (not fsdp2's) is first made replicated on those dims.
+
+The result is a plain tensor, equal on every rank when the plain gradients are (fsdp2's
+are all ``DTensor``s), that agrees with torch's function on the same ``DTensor``
+gradients up to the order of the floating-point sums.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["clip_grad_norm_", "clip_grads_with_norm_", "get_total_norm"]
+
+TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
+
+# A set of sharded mesh dims, as the process groups of those dims in a fixed order.
+SetKey = tuple[dist.ProcessGroup, ...]
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: TensorOrTensors,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The ``norm_type`` norm of all ``tensors`` together (``DTensor``s as the whole
+    tensors they shard, plain tensors as they are), as a plain tensor on the first
+    tensor's device: ``torch.nn.utils.get_total_norm``'s contract, computed on local
+    shards (see [Note: one all-reduce per set of sharded mesh dims])."""
+    listed = _as_list(tensors, "get_total_norm", "tensors")
+    norm_type = _norm_type(norm_type)
+    if not listed:
+        return torch.tensor(0.0)
+    first_device = _local_part(listed[0]).device
+    # Per set of sharded dims (first appearance order): its local tensors.
+    by_set: dict[SetKey, list[torch.Tensor]] = {}
+    order: dict[dist.ProcessGroup, int] = {}
+    for tensor in listed:
+        local, key = _local_of(tensor, order)
+        by_set.setdefault(key, []).append(local)
+    partial = {
+        key: _local_norm(locals_, norm_type, foreach, first_device)
+        for key, locals_ in by_set.items()
+    }
+    total = _reduce_over_sets(partial, norm_type)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"fsdp2.get_total_norm: the total norm of order {norm_type} of the gradients is "
+            f"non-finite ({total.item()}), so they cannot be clipped. Find the NaN or inf "
+            f"(torch.autograd.set_detect_anomaly), or pass error_if_nonfinite=False to "
+            f"scale them by it anyway."
+        )
+    return total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """Scale the gradients of ``parameters`` by ``max_norm / (total_norm + 1e-6)`` where
+    that is below 1: ``torch.nn.utils.clip_grads_with_norm_``'s contract, on the local
+    shards of ``DTensor`` gradients (in place, so the ``DTensor``s see it)."""
+    params = _as_list(parameters, "clip_grads_with_norm_", "parameters")
+    max_norm = _max_norm(max_norm, "clip_grads_with_norm_")
+    if not isinstance(total_norm, torch.Tensor):
+        raise TypeError(
+            f"fsdp2.clip_grads_with_norm_: total_norm must be a tensor (what "
+            f"fsdp2.get_total_norm returns), got {type(total_norm).__name__}."
+        )
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    # Scaling is linear: the local part of any layout (a Partial one too) is scaled as is.
+    grads = [_local_part(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for (device, _), group in _by_device_and_dtype(grads).items():
+        scale = coefficient.to(device)
+        if _use_foreach(group, device, foreach):
+            torch._foreach_mul_(group, scale)
+        else:
+            for grad in group:
+                grad.mul_(scale)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: TensorOrTensors,
+    max_norm: float,
+    norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (fsdp2's ``DTensor`` parameters, other
+    ``DTensor``s and plain ones, mixed) to a total ``norm_type`` norm of ``max_norm``, and
+    return that total norm before clipping, a plain tensor equal on every rank:
+    ``torch.nn.utils.clip_grad_norm_``'s contract, with one all-reduce per set of sharded
+    mesh dims and no ``DTensor`` dispatch."""
+    if isinstance(parameters, torch.Tensor):
+        params = [parameters]
+    else:
+        generator = isinstance(parameters, types.GeneratorType)
+        params = _as_list(parameters, "clip_grad_norm_", "parameters")
+        if generator and not params:
+            warnings.warn(
+                "fsdp2.clip_grad_norm_: `parameters` is an empty generator (was it used "
+                "up already?), so no gradient is clipped.",
+                stacklevel=3,
+            )
+    max_norm = _max_norm(max_norm, "clip_grad_norm_")
+    grads = [p.grad for p in params if p.grad is not None]
+    total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def _as_list(tensors: TensorOrTensors, api: str, name: str) -> list[torch.Tensor]:
+    listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    for i, tensor in enumerate(listed):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"fsdp2.{api}: {name}[{i}] is a {type(tensor).__name__}, not a tensor; pass "
+                f"tensors, e.g. model.parameters()."
+            )
+    return listed
+
+
+def _norm_type(norm_type: float | str) -> float:
+    try:
+        return float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"fsdp2 gradient norm: norm_type={norm_type!r} is not a number; use a float "
+            f"such as 2.0, or 'inf' / float('inf') for the largest absolute value."
+        ) from None
+
+
+def _max_norm(max_norm: float, api: str) -> float:
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        return float(max_norm)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(
+            f"fsdp2.{api}: max_norm must be a number, got {type(max_norm).__name__} ({max_norm!r})."
+        )
+    return float(max_norm)
+
+
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _local_of(
+    tensor: torch.Tensor, order: dict[dist.ProcessGroup, int] | None = None
+) -> tuple[torch.Tensor, SetKey]:
+    """``tensor``'s local part and the set of mesh dims its elements are spread over."""
+    if not isinstance(tensor, DTensor):
+        return tensor, ()
+    placements = tensor.placements
+    if any(p.is_partial() for p in placements):
+        tensor = tensor.redistribute(
+            placements=[Replicate() if p.is_partial() else p for p in placements]
+        )
+        placements = tensor.placements
+    mesh = tensor.device_mesh
+    # Sharded: neither replicated nor partial (``Shard``, and ``_StridedShard``, which
+    # is not a ``Shard`` subclass in every torch).
+    dims = sorted({d for d, p in enumerate(placements) if not p.is_replicate()})
+    groups = [mesh.get_group(d) for d in dims]
+    if order is not None:
+        for group in groups:
+            order.setdefault(group, len(order))
+        groups.sort(key=order.__getitem__)
+    return tensor._local_tensor, tuple(groups)
+
+
+def _by_device_and_dtype(
+    tensors: list[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return groups
+
+
+def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
+    """torch's choice: foreach kernels where the device has them (the CPU included) and
+    every tensor is a plain tensor, unless ``foreach`` says otherwise."""
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+
+    if foreach is None:
+        return _has_foreach_support(tensors, device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(
+            f"fsdp2 gradient norm: foreach=True was passed, but {device.type} tensors have "
+            f"no foreach kernels; pass foreach=None or False."
+        )
+    return foreach
+
+
+def _local_norm(
+    tensors: list[torch.Tensor], norm_type: float, foreach: bool | None, device: torch.device
+) -> torch.Tensor:
+    """The norm of one set's local tensors, as torch's ``get_total_norm`` takes it.
+    Empty shards (a rank past the last row of an unevenly sharded tensor) contribute
+    nothing; the max norm of an empty tensor is an error in torch, on one rank only."""
+    dtype = tensors[0].dtype
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not tensors:
+        identity = math.inf if norm_type == -math.inf else 0.0
+        return torch.tensor(identity, dtype=dtype, device=device)
+    norms: list[torch.Tensor] = []
+    for (tensor_device, _), group in _by_device_and_dtype(tensors).items():
+        if _use_foreach(group, tensor_device, foreach):
+            norms.extend(torch._foreach_norm(group, norm_type))
+        else:
+            norms.extend(torch.linalg.vector_norm(t, norm_type) for t in group)
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+
+
+def _reduce_over_sets(partial: dict[SetKey, torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Combine the per-set local norms into the total norm, with one all-reduce per set
+    (nested sets folded together); see [Note: one all-reduce per set of sharded mesh
+    dims]."""
+    if norm_type == math.inf:
+        op, combine = dist.ReduceOp.MAX, torch.maximum
+    elif norm_type == -math.inf:
+        op, combine = dist.ReduceOp.MIN, torch.minimum
+    else:
+        op, combine = dist.ReduceOp.SUM, torch.add
+    power = norm_type not in (0.0, 1.0, math.inf, -math.inf)
+    # The contributions to reduce: norm ** p (a 0-"norm" counts nonzeros: summed as is).
+    pending: dict[SetKey, torch.Tensor] = {
+        key: norm.pow(norm_type) if power else norm for key, norm in partial.items()
+    }
+    while len(pending) > 1 or () not in pending:
+        key = max((k for k in pending if k), key=len)  # the first of the largest sets
+        value = pending.pop(key)
+        drop = len(key) - 1
+        for i in reversed(range(len(key))):
+            if key[:i] + key[i + 1 :] in pending:
+                drop = i
+                break
+        rest = key[:drop] + key[drop + 1 :]
+        reduced = _all_reduce(value, op, key[drop])
+        pending[rest] = combine(pending[rest], reduced) if rest in pending else reduced
+    total = pending[()]
+    return total.pow(1.0 / norm_type) if power else total
+
+
+def _all_reduce(value: torch.Tensor, op: Any, group: dist.ProcessGroup) -> torch.Tensor:
+    """``value`` all-reduced over ``group``, on the group's device and back."""
+    backend_device = _group_device(group, value.device)
+    moved = value.to(backend_device)  # ``value`` itself when on that device: reduced in place
+    dist.all_reduce(moved, op=op, group=group)
+    return moved.to(value.device)
+
+
+def _group_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """Where ``group``'s collectives take tensors: ``device`` unless only an accelerator
+    backend serves it (CPU-offloaded gradients with NCCL)."""
+    if device.type != "cpu":
+        return device
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return device
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
