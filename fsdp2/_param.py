@@ -143,6 +143,14 @@ def owner_of(param: torch.Tensor) -> ShardedParam | None:
     return owner if owner is not None and owner.sharded_param is param else None
 
 
+def shard_binding(owner: ShardedParam) -> object:
+    """A token that changes whenever fsdp2 binds the parameter's local tensor to memory
+    (creation, lazy init, ``module.to()``, a load with ``assign=True``): a local tensor
+    whose memory changed while the token did not was replaced outside fsdp2, and no longer
+    views the all-gather input (the optimizer fast path, ``fsdp2.optim``, checks it)."""
+    return owner._local_layout
+
+
 def typed_slice(flat: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """``numel`` elements of ``dtype`` starting at ``start`` (counted in ``flat``'s elements).
 

@@ -78,7 +78,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
-from fsdp2._param import _SHARD_OWNERS, ShardedParam, owner_of
+from fsdp2._param import _SHARD_OWNERS, ShardedParam, owner_of, shard_binding
 
 __all__ = [
     "optimizer_fast_path_enabled",
@@ -111,8 +111,9 @@ def set_optimizer_fast_path(enabled: bool) -> None:
     """Turn the optimizer fast path on or off for every optimizer (it is on by default;
     ``FSDP2_OPTIMIZER_FAST_PATH=0`` turns it off at start). Off, optimizers step on the
     ``DTensor`` parameters as with torch's ``fully_shard``: for debugging, and to compare.
-    Both paths keep the same state, so switching between steps is safe; the value at the
-    moment a step's own code starts decides that step."""
+    Both paths keep the same state, so switching between steps is safe; the value when
+    ``step()`` is called decides that step (a switch inside one of its hooks applies
+    from the next step)."""
     global _enabled
     if not isinstance(enabled, bool):
         raise TypeError(
@@ -251,8 +252,6 @@ def _view_class(optimizer_class: type) -> type:
 
 def _local_layout(optimizer: Optimizer) -> tuple[list[dict[str, Any]], Any]:
     """The groups and state the step sees (see [Note: optimizer steps on local shards])."""
-    if not optimizer_fast_path_enabled():  # switched off by a pre-hook of this step
-        return optimizer.param_groups, optimizer.state
     records = _RECORDS.get(optimizer)
     if records is None:
         records = _RECORDS[optimizer] = {}
@@ -266,13 +265,15 @@ def _local_layout(optimizer: Optimizer) -> tuple[list[dict[str, Any]], Any]:
 
 class _Record:
     """What the fast path last saw of one parameter: its local tensor (weakly), that
-    tensor's address, and a gradient layout already checked."""
+    tensor's address and fsdp2's binding token for it (``shard_binding``), and a gradient
+    layout already checked."""
 
-    __slots__ = ("address", "grad_spec", "local")
+    __slots__ = ("address", "binding", "grad_spec", "local")
 
-    def __init__(self, local: torch.Tensor) -> None:
+    def __init__(self, local: torch.Tensor, binding: object) -> None:
         self.local = weakref.ref(local)
         self.address = local.data_ptr()
+        self.binding = binding
         self.grad_spec: DTensorSpec | None = None
 
 
@@ -324,10 +325,14 @@ def _local_entry(
     if type(local) is not torch.Tensor:
         return None  # a subclass (all-gather extensions) keeps its own dispatch
     record = records.get(id(param))
-    if record is None or record.local() is not local:
-        record = records[id(param)] = _Record(local)
-    elif record.address != local.data_ptr():
-        raise _moved_error(owner)
+    binding = shard_binding(owner)
+    if record is None or record.binding is not binding:
+        record = records[id(param)] = _Record(local, binding)
+    elif record.local() is not local or record.address != local.data_ptr():
+        # fsdp2 did not bind it anew, yet it is another tensor or other memory.
+        if local.data_ptr() != record.address and local.numel():
+            raise _moved_error(owner)
+        record.local = weakref.ref(local)
     alias = local.detach()
     grad = param.grad
     if grad is not None:
@@ -359,8 +364,9 @@ def _local_entry(
 
 def _moved_error(owner: ShardedParam) -> RuntimeError:
     return RuntimeError(
-        f"fsdp2 optimizer step: the local shard of parameter '{owner.fqn}' was given other "
-        f"memory since the last step (.data = ... or set_() on to_local()). fsdp2's "
+        f"fsdp2 optimizer step: the local shard of parameter {_describe(owner)} was given "
+        f"other memory since the last step (a new _local_tensor, or .data = / set_() on "
+        f"it). fsdp2's "
         f"all-gather still reads the old memory, so neither this step nor the next forward "
         f"would see the new values. Change values in place instead: "
         f"param.to_local().copy_(values) under torch.no_grad(), or load_state_dict."
@@ -371,12 +377,19 @@ def _replaced_error(
     owner: ShardedParam, local: torch.Tensor, local_grad: torch.Tensor
 ) -> RuntimeError:
     return RuntimeError(
-        f"fsdp2 optimizer step: parameter '{owner.fqn}' has a local shard of shape "
+        f"fsdp2 optimizer step: parameter {_describe(owner)} has a local shard of shape "
         f"{tuple(local.shape)} but its gradient's local shard has shape "
         f"{tuple(local_grad.shape)}: the parameter's local tensor was replaced outside "
         f"fsdp2. Change values in place (param.to_local().copy_(...) under "
         f"torch.no_grad()) or load them with load_state_dict."
     )
+
+
+def _describe(owner: ShardedParam) -> str:
+    """A parameter as messages name it: its name in the module ``fully_shard`` was called
+    on, and that module's class."""
+    module = owner.uses[0][0]
+    return f"'{owner.fqn}' (of a {type(module).__name__})"
 
 
 def _same_layout(spec: DTensorSpec, reference: DTensorSpec) -> bool:
@@ -414,7 +427,7 @@ def _local_values(
 def _state_error(owner: ShardedParam, key: str, what: str) -> RuntimeError:
     param = owner.sharded_dtensor()
     return RuntimeError(
-        f"fsdp2 optimizer step: optimizer state '{key}' of parameter '{owner.fqn}' is "
+        f"fsdp2 optimizer step: optimizer state '{key}' of parameter {_describe(owner)} is "
         f"{what}, but the parameter is a DTensor of shape {tuple(param.shape)} with "
         f"placements {tuple(param.placements)}, and its state must be laid out alike. Was a "
         f"full or another model's optimizer state dict loaded with "
