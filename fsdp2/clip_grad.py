@@ -65,7 +65,17 @@ def get_total_norm(
     # Per set of sharded dims (first appearance order): its local tensors.
     by_set: dict[SetKey, list[torch.Tensor]] = {}
     order: dict[dist.ProcessGroup, int] = {}
+    keys: dict[tuple[Any, ...], SetKey] = {}  # (mesh, placements) -> its set, this call
     for tensor in listed:
+        if type(tensor) is DTensor:
+            spec = tensor._spec
+            layout = (spec.mesh, spec.placements)
+            key = keys.get(layout)
+            if key is None:
+                key = keys[layout] = _local_of(tensor, order)[1]
+            if not any(p.is_partial() for p in spec.placements):
+                by_set.setdefault(key, []).append(tensor._local_tensor)
+                continue
         local, key = _local_of(tensor, order)
         by_set.setdefault(key, []).append(local)
     partial = {

@@ -1032,3 +1032,32 @@ def test_bad_environment_value_names_the_variable() -> None:
 def test_register_elementwise_optimizer_checks_its_argument() -> None:
     with pytest.raises(TypeError, match="Optimizer subclass"):
         fsdp2_optim.register_elementwise_optimizer(object)  # type: ignore[arg-type]
+
+
+def rank_state_replaced_between_steps(fast: bool) -> dict[str, Any]:
+    """A state tensor the user replaces between steps (a reset of the moments) is the one
+    the next step uses: the fast path keeps its view of the state only while the
+    optimizer's state holds the same objects."""
+    fsdp2.set_optimizer_fast_path(fast)
+    try:
+        model = _net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=True)
+        for step in range(STEPS):
+            model(_batch(step)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            weight = model.hidden.weight
+            state = optimizer.state[weight]
+            state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+            if step == 1:
+                optimizer.state[model.inp.weight] = {}  # forget one parameter's state
+    finally:
+        fsdp2.set_optimizer_fast_path(True)
+    params = list(model.parameters())
+    return {"params": [p.to_local() for p in params], "state": _state_of(optimizer, params)}
+
+
+def test_state_replaced_between_steps_is_used() -> None:
+    fast = run_ranks(rank_state_replaced_between_steps, 2, True)[0]
+    slow = run_ranks(rank_state_replaced_between_steps, 2, False)[0]
+    assert _compare("replaced", fast["params"], fast["state"], slow["params"], slow["state"]) == []
