@@ -32,7 +32,7 @@ import math
 import types
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,15 +65,17 @@ def get_total_norm(
     # Per set of sharded dims (first appearance order): its local tensors.
     by_set: dict[SetKey, list[torch.Tensor]] = {}
     order: dict[dist.ProcessGroup, int] = {}
-    keys: dict[tuple[Any, ...], SetKey] = {}  # (mesh, placements) -> its set, this call
+    # (mesh id, placements) -> the set of a DTensor without Partial placements; meshes
+    # are compared by identity (their __eq__ is slow), all alive during the call.
+    keys: dict[tuple[int, Any], SetKey] = {}
     for tensor in listed:
         if type(tensor) is DTensor:
             spec = tensor._spec
-            layout = (spec.mesh, spec.placements)
+            layout = (id(spec.mesh), spec.placements)
             key = keys.get(layout)
-            if key is None:
+            if key is None and not any(p.is_partial() for p in spec.placements):
                 key = keys[layout] = _local_of(tensor, order)[1]
-            if not any(p.is_partial() for p in spec.placements):
+            if key is not None:
                 by_set.setdefault(key, []).append(tensor._local_tensor)
                 continue
         local, key = _local_of(tensor, order)
@@ -219,10 +221,11 @@ def _local_of(
 def _by_device_and_dtype(
     tensors: list[torch.Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return groups
+    """``tensors`` by device and dtype, in order (torch's grouping, in C++)."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    grouped = _group_tensors_by_device_and_dtype([tensors])  # type: ignore[list-item]
+    return {key: cast(list[torch.Tensor], lists[0]) for key, (lists, _) in grouped.items()}
 
 
 def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
