@@ -78,7 +78,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -264,9 +264,13 @@ def _local_layout(optimizer: Optimizer) -> tuple[list[dict[str, Any]], Any]:
         records = _RECORDS[optimizer] = {}
     states = _LocalStates(optimizer.state)
     groups: list[dict[str, Any]] = []
+    fast = False
     for group in optimizer.param_groups:
         local = _local_group(group, optimizer.state, states, records)
+        fast = fast or local is not None
         groups.append(group if local is None else local)
+    if not fast:  # nothing to step on shards: the optimizer's own, at no cost
+        return optimizer.param_groups, optimizer.state
     return groups, states
 
 
@@ -314,17 +318,22 @@ def _local_group(
     params: list[torch.Tensor] = []
     entries: list[tuple[torch.Tensor, DTensor, _Record]] = []
     for param in group["params"]:
+        if not isinstance(param, DTensor):
+            params.append(param)  # a plain parameter
+            continue
         record = _record_of(param, records)
         if record is None:
-            if isinstance(param, DTensor) and param.grad is not None:
+            if param.grad is not None:
                 return None  # a DTensor fsdp2 does not manage: its group keeps that path
             params.append(param)
             continue
-        alias = _local_alias(cast(DTensor, param), record, shared_state)
+        alias = _local_alias(param, record, shared_state)
         if alias is None:
             return None
         params.append(alias)
-        entries.append((alias, cast(DTensor, param), record))
+        entries.append((alias, param, record))
+    if not entries:
+        return None  # no fsdp2 parameter: the group as it is
     for alias, param, record in entries:
         states.add(alias, param, record)
     return _LocalGroup(group, params)

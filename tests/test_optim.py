@@ -1061,3 +1061,13 @@ def test_state_replaced_between_steps_is_used() -> None:
     fast = run_ranks(rank_state_replaced_between_steps, 2, True)[0]
     slow = run_ranks(rank_state_replaced_between_steps, 2, False)[0]
     assert _compare("replaced", fast["params"], fast["state"], slow["params"], slow["state"]) == []
+
+
+def test_docs_example() -> None:
+    """docs/optimizer.md's first example, as written, on 2 ranks."""
+    import pathlib
+
+    from test_grad_accumulation import exec_doc_example, first_python_block
+
+    doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "optimizer.md"
+    assert all(run_ranks(exec_doc_example, 2, first_python_block(doc), str(doc)))
