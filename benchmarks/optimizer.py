@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=None, help="override n_layers")
+    parser.add_argument("--dim", type=int, default=None, help="override the model dim")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -222,7 +224,14 @@ def main(argv: list[str] | None = None) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     try:
         results = [
-            run_config(CONFIGS[name], args.repeats, args.warmup, args.batch, args.seq, args.clock)
+            run_config(
+                CONFIGS[name].with_overrides(n_layers=args.layers, dim=args.dim),
+                args.repeats,
+                args.warmup,
+                args.batch,
+                args.seq,
+                args.clock,
+            )
             for name in args.config.split(",")
         ]
     finally:

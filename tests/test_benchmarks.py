@@ -376,3 +376,31 @@ def test_trace_variant(tmp_path: Path) -> None:
     assert "trace" not in entry["results"]["torch"]
     section = report.exposed_table(json.loads(out.read_text())["runs"])
     assert "| small-many | 4 (fake) |" in section and "torch's `fully_shard` has no" in section
+
+
+def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
+    """benchmarks/optimizer.py on a shrunk small-many: every variant timed, ratios
+    printable (no timing asserted)."""
+    from benchmarks import optimizer
+
+    out = optimizer.main(
+        [
+            "--config",
+            "small-many",
+            "--layers",
+            "2",
+            "--dim",
+            "32",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+            str(tmp_path / "optimizer.json"),
+        ]
+    )
+    (result,) = out["results"]
+    for what in ("step for-loop", "step foreach"):
+        assert set(result[what]) == set(optimizer.VARIANTS), result[what]
+    assert set(result["clip"]) == {"fsdp2", "torch", "plain"}
+    assert json.loads((tmp_path / "optimizer.json").read_text())["world_size"] == 2
