@@ -41,11 +41,11 @@ the view is built again after it):
 * attributes the step sets on ``self`` are set on the optimizer too.
 
 Per optimizer and parameter the fast path keeps what it has checked (``_Record``: the
-gradient's layout, the state's local view), so a step compares object identities and
+gradient's layout, the state's objects), so a step compares object identities and
 re-checks a layout only when an object changed: a gradient or state tensor replaced, a
-state dict loaded, a shard bound anew by fsdp2. Its cost is a few microseconds per
-parameter, against one ``DTensor`` dispatch per op and parameter on torch's for-loop
-path.
+state dict loaded, a shard bound anew by fsdp2. It holds tensors weakly, so state the
+optimizer drops is freed at once. Its cost is a few microseconds per parameter, against
+one ``DTensor`` dispatch per op and parameter on torch's for-loop path.
 
 The result is bitwise what the same optimizer computes on the ``DTensor``s (the same
 kernels on the same local tensors; ``_foreach_*`` and fused kernels group by device and
@@ -78,7 +78,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -276,36 +276,53 @@ def _local_layout(optimizer: Optimizer) -> tuple[list[dict[str, Any]], Any]:
 
 class _Record:
     """What the fast path keeps of one fsdp2 parameter between steps, so that a step
-    checks identities instead of layouts: its owner, its local tensor (weakly) with that
-    tensor's address and fsdp2's binding token (``shard_binding``), a gradient layout
-    already checked, and its state as the step sees it (``_LocalState``), valid while
-    the optimizer's state holds the same objects."""
+    checks identities instead of layouts: its owner, its local tensor with that tensor's
+    address and fsdp2's binding token (``shard_binding``), a gradient layout already
+    checked, and the state entries already checked. Tensors and the owner are held
+    weakly: a state the optimizer drops (a ``load_state_dict``) is freed at once, as
+    without the fast path."""
 
-    __slots__ = ("address", "binding", "grad_spec", "local", "owner", "view")
+    __slots__ = ("address", "binding", "grad_spec", "local", "owner", "seen")
 
     def __init__(self, owner: ShardedParam) -> None:
-        self.owner = owner
+        self.owner = weakref.ref(owner)
         self.local: weakref.ref[torch.Tensor] | None = None
         self.address = 0
         self.binding: object = None
         self.grad_spec: DTensorSpec | None = None
-        self.view: _LocalState | None = None
+        # The state's entries as last checked: a weak reference to each tensor, other
+        # values as they are; None: not checked (or no state).
+        self.seen: dict[str, Any] | None = None
 
 
 # Per optimizer, per parameter (by id): the parameter's ``_Record``.
 _RECORDS: weakref.WeakKeyDictionary[Optimizer, dict[int, _Record]] = weakref.WeakKeyDictionary()
 
 
-def _record_of(param: torch.Tensor, records: dict[int, _Record]) -> _Record | None:
-    """``param``'s record, or None if fsdp2 does not manage it."""
+def _record_of(
+    param: torch.Tensor, records: dict[int, _Record]
+) -> tuple[_Record, ShardedParam] | None:
+    """``param``'s record and owner, or None if fsdp2 does not manage it."""
     record = records.get(id(param))
-    if record is not None and record.owner.sharded_param is param:
-        return record
+    if record is not None:
+        owner = record.owner()
+        if owner is not None and owner.sharded_param is param:
+            return record, owner
     owner = owner_of(param)
     if owner is None:
         return None
     record = records[id(param)] = _Record(owner)
-    return record
+    return record, owner
+
+
+class _Entry(NamedTuple):
+    """One fsdp2 parameter of a group on the fast path: what the step sees of it."""
+
+    alias: torch.Tensor
+    param: DTensor
+    record: _Record
+    shared: dict[str, Any] | None  # its state in the optimizer (None: none yet)
+    values: dict[str, Any] | None  # that state's local values
 
 
 def _local_group(
@@ -316,39 +333,40 @@ def _local_group(
     if group.get("differentiable", False):
         return None
     params: list[torch.Tensor] = []
-    entries: list[tuple[torch.Tensor, DTensor, _Record]] = []
+    entries: list[_Entry] = []
     for param in group["params"]:
         if not isinstance(param, DTensor):
             params.append(param)  # a plain parameter
             continue
-        record = _record_of(param, records)
-        if record is None:
+        found = _record_of(param, records)
+        if found is None:
             if param.grad is not None:
                 return None  # a DTensor fsdp2 does not manage: its group keeps that path
             params.append(param)
             continue
-        alias = _local_alias(param, record, shared_state)
-        if alias is None:
+        entry = _local_entry(param, *found, shared_state)
+        if entry is None:
             return None
-        params.append(alias)
-        entries.append((alias, param, record))
+        params.append(entry.alias)
+        entries.append(entry)
     if not entries:
         return None  # no fsdp2 parameter: the group as it is
-    for alias, param, record in entries:
-        states.add(alias, param, record)
+    for entry in entries:
+        states.add(entry)
     return _LocalGroup(group, params)
 
 
-def _local_alias(param: DTensor, record: _Record, shared_state: Any) -> torch.Tensor | None:
-    """An alias of ``param``'s local shard whose ``.grad`` is its gradient's, with
-    ``record.view`` brought up to date; None if ``param`` keeps the ``DTensor`` path."""
-    owner = record.owner
+def _local_entry(
+    param: DTensor, record: _Record, owner: ShardedParam, shared_state: Any
+) -> _Entry | None:
+    """An alias of ``param``'s local shard whose ``.grad`` is its gradient's, and its
+    state's local values; None if ``param`` keeps the ``DTensor`` path."""
     local = param._local_tensor
     if type(local) is not torch.Tensor:
         return None  # a subclass (all-gather extensions) keeps its own dispatch
     binding = shard_binding(owner)
     if record.binding is not binding:  # fsdp2 bound it (anew): start over
-        record.binding, record.grad_spec, record.view = binding, None, None
+        record.binding, record.grad_spec, record.seen = binding, None, None
         record.local, record.address = weakref.ref(local), local.data_ptr()
     elif record.local is None or record.local() is not local or record.address != local.data_ptr():
         # fsdp2 did not bind it anew, yet it is another tensor or other memory.
@@ -377,13 +395,34 @@ def _local_alias(param: DTensor, record: _Record, shared_state: Any) -> torch.Te
         alias.grad = local_grad
     shared = shared_state.get(param)
     if not shared:
-        record.view = None
-    elif record.view is None or not record.view.holds(shared):
+        record.seen = None
+        return _Entry(alias, param, record, shared, None)
+    values = None if record.seen is None else _values_if_unchanged(shared, record.seen)
+    if values is None:
         values = _local_values(shared, param, owner)
         if values is None:
             return None
-        record.view = _LocalState(shared, param, local.shape, values)
-    return alias
+        record.seen = {key: _token(value) for key, value in shared.items()}
+    return _Entry(alias, param, record, shared, values)
+
+
+def _token(value: Any) -> Any:
+    """How ``_Record.seen`` remembers a state value: tensors weakly."""
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else value
+
+
+def _values_if_unchanged(shared: dict[str, Any], seen: dict[str, Any]) -> dict[str, Any] | None:
+    """The local values of ``shared`` if it holds exactly the objects ``seen`` remembers
+    (checked before: no layout to check again), else None."""
+    if len(shared) != len(seen):
+        return None
+    values = {}
+    for key, token in seen.items():
+        value = shared.get(key)
+        if (token() if type(token) is weakref.ref else token) is not value:
+            return None
+        values[key] = value._local_tensor if type(value) is DTensor else value
+    return values
 
 
 def _moved_error(owner: ShardedParam) -> RuntimeError:
@@ -477,8 +516,8 @@ class _LocalGroup(dict[str, Any]):
 
 class _LocalState(dict[str, Any]):
     """One fsdp2 parameter's state as the step sees it: local tensors. Every write also
-    goes to the optimizer's state, a local tensor of the shard's shape as a ``DTensor``.
-    Kept between steps while the optimizer's state holds what it saw (``holds``)."""
+    goes to the optimizer's state, a local tensor of the shard's shape as a ``DTensor``,
+    and to the record of what the fast path has checked."""
 
     def __init__(
         self,
@@ -486,27 +525,22 @@ class _LocalState(dict[str, Any]):
         param: DTensor,
         local_shape: torch.Size,
         values: dict[str, Any],
+        record: _Record,
     ) -> None:
         super().__init__(values)
         self._shared = shared
         self._param = param
         self._local_shape = local_shape
-        self._seen = dict(shared)  # key -> the object the optimizer's state held
-
-    def holds(self, shared: dict[str, Any]) -> bool:
-        """Whether ``shared`` is the state this view was made from, unchanged since."""
-        seen = self._seen
-        if shared is not self._shared or len(shared) != len(seen):
-            return False
-        for key, value in seen.items():
-            if shared.get(key) is not value:
-                return False
-        return True
+        self._record = record
+        if record.seen is None:
+            record.seen = {key: _token(value) for key, value in shared.items()}
 
     def __setitem__(self, key: str, value: Any) -> None:
         dict.__setitem__(self, key, value)
-        shared = self._seen[key] = self._as_shared(key, value)
-        self._shared[key] = shared
+        shared = self._shared[key] = self._as_shared(key, value)
+        seen = self._record.seen
+        if seen is not None:
+            seen[key] = _token(shared)
 
     def _as_shared(self, key: str, value: Any) -> Any:
         if type(value) is not torch.Tensor or value.dim() == 0 or value.shape != self._local_shape:
@@ -524,7 +558,7 @@ class _LocalState(dict[str, Any]):
     def __delitem__(self, key: str) -> None:
         dict.__delitem__(self, key)
         del self._shared[key]
-        del self._seen[key]
+        self._record.seen = None
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
@@ -537,13 +571,13 @@ class _LocalState(dict[str, Any]):
 
     def pop(self, key: str, *default: Any) -> Any:
         self._shared.pop(key, None)
-        self._seen.pop(key, None)
+        self._record.seen = None
         return dict.pop(self, key, *default)
 
     def clear(self) -> None:
         dict.clear(self)
         self._shared.clear()
-        self._seen.clear()
+        self._record.seen = None
 
 
 class _LocalStates(dict[torch.Tensor, Any]):
@@ -554,23 +588,32 @@ class _LocalStates(dict[torch.Tensor, Any]):
     def __init__(self, shared: Any) -> None:
         super().__init__()
         self._shared = shared
-        self._new: dict[torch.Tensor, tuple[DTensor, _Record]] = {}  # aliases without state
+        self._new: dict[torch.Tensor, _Entry] = {}  # aliases whose parameter has no state
 
-    def add(self, alias: torch.Tensor, param: DTensor, record: _Record) -> None:
-        if record.view is not None:
-            dict.__setitem__(self, alias, record.view)
-        else:
-            self._new[alias] = (param, record)
+    def add(self, entry: _Entry) -> None:
+        if entry.shared is None or entry.values is None:
+            self._new[entry.alias] = entry
+            return
+        local = _LocalState(
+            entry.shared, entry.param, entry.alias.shape, entry.values, entry.record
+        )
+        dict.__setitem__(self, entry.alias, local)
 
     def __missing__(self, key: torch.Tensor) -> Any:
-        new = self._new.pop(key, None)
-        if new is None:
+        entry = self._new.pop(key, None)
+        if entry is None:
             value = self._shared[key]
         else:
-            param, record = new
-            value = record.view = _LocalState(self._shared[param], param, key.shape, {})
+            value = self._fresh(entry)
         dict.__setitem__(self, key, value)
         return value
+
+    def _fresh(self, entry: _Entry) -> _LocalState:
+        """An empty state for ``entry``'s parameter, in the optimizer's state too (as
+        torch's ``defaultdict`` creates it on first access)."""
+        entry.record.seen = None
+        shared = self._shared[entry.param]
+        return _LocalState(shared, entry.param, entry.alias.shape, {}, entry.record)
 
     def __contains__(self, key: object) -> bool:
         if dict.__contains__(self, key):
@@ -581,22 +624,17 @@ class _LocalStates(dict[torch.Tensor, Any]):
         return self[key] if key in self else default
 
     def __setitem__(self, key: torch.Tensor, value: Any) -> None:
-        new = self._new.pop(key, None)
+        entry = self._new.pop(key, None)
         current = dict.get(self, key)
-        record: _Record | None = None
-        if new is not None:
-            param, record = new
-        elif isinstance(current, _LocalState):
-            param = current._param  # its record sees a new dict next step, and rebuilds
-        else:
+        if entry is None and isinstance(current, _LocalState):
+            entry = _Entry(key, current._param, current._record, None, None)
+        if entry is None:
             self._shared[key] = value
             dict.__setitem__(self, key, value)
             return
-        self._shared[param] = {}
-        local = _LocalState(self._shared[param], param, key.shape, {})
+        self._shared[entry.param] = {}  # replaced as a whole
+        local = self._fresh(entry)
         local.update(value)
-        if record is not None:
-            record.view = local
         dict.__setitem__(self, key, local)
 
 

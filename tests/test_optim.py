@@ -1071,3 +1071,35 @@ def test_docs_example() -> None:
 
     doc = pathlib.Path(__file__).resolve().parent.parent / "docs" / "optimizer.md"
     assert all(run_ranks(exec_doc_example, 2, first_python_block(doc), str(doc)))
+
+
+def rank_dropped_state_is_freed() -> dict[str, bool]:
+    """State the optimizer drops (a load_state_dict, a reset) is freed at once: the fast
+    path remembers state tensors only weakly, and the view of a step dies with it."""
+    import gc
+    import weakref
+
+    gc.disable()  # freed by reference counting, not by a later collection
+    try:
+        run = _Run(torch.optim.AdamW, {"lr": 0.01, "foreach": True}, fast=True).train()
+        optimizer = run.optimizer
+        weight = run.model.hidden.weight
+        # DTensor's own local tensors (to_local() would return a new view each time).
+        old = weakref.ref(optimizer.state[weight]["exp_avg"]._local_tensor)
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        loaded = old() is None
+        kept = weakref.ref(optimizer.state[run.params[0]]["exp_avg"]._local_tensor)
+        reset = weakref.ref(optimizer.state[weight]["exp_avg_sq"]._local_tensor)
+        optimizer.state[weight] = {}
+        # Sanity: a tensor the optimizer still holds stays alive.
+        return {"loaded": loaded, "reset": reset() is None, "alive": kept() is not None}
+    finally:
+        gc.enable()
+
+
+def test_state_the_optimizer_drops_is_freed_at_once() -> None:
+    assert run_ranks(rank_dropped_state_is_freed, 2)[0] == {
+        "loaded": True,
+        "reset": True,
+        "alive": True,
+    }
