@@ -212,12 +212,17 @@ class UnshardedUpkeep:
 
     def _shard_version(self) -> tuple[int, int]:
         """Identifies the values of the shards: the flat shard's identity and the sum of the
-        version counters of it and of every sharded parameter (each counter only grows, so
-        the sum changes with any of them). The parameters' own counters are needed: an
-        optimizer updates each ``DTensor`` in place, which bumps the wrapper's counter
-        but not that of the local tensor (written below autograd) or of the flat shard."""
+        version counters of it, of every sharded parameter and of every local tensor (each
+        counter only grows, so the sum changes with any of them). Each has its own counter:
+        an optimizer updating a ``DTensor`` in place bumps the wrapper's counter, not its
+        local tensor's (written below autograd); one stepping on the local shards
+        (``fsdp2.optim``'s fast path) bumps the local tensor's only; and the local tensors
+        are aliases of the flat shard with counters of their own ([Note: shard aliases at
+        offset 0] in ``_param``)."""
         flat = self.flat_shard
-        return id(flat), flat._version + sum(p.sharded_param._version for p in self.params)
+        return id(flat), flat._version + sum(
+            p.sharded_param._version + p.local_tensor()._version for p in self.params
+        )
 
     # -- in-place changes to unsharded parameters ------------------------------------------
     def unsharded_modified(self) -> bool:
