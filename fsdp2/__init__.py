@@ -6,8 +6,8 @@ discovery) -> ``_state`` (hooks, lazy init, final callback) -> ``_param_group`` 
 unshard/reshard) -> ``_grad_reduce`` (per-group gradient reduction) -> ``_comm_context``
 (streams and reductions shared by a tree) -> ``_param`` (one parameter's views) ->
 ``_collectives`` -> ``_stream_utils``. Above the runtime and imported by nothing in it:
-``trace`` (``trace_schedule``, the schedule trace). ``docs/design.md`` indexes the named
-notes.
+``trace`` (``trace_schedule``, the schedule trace) and ``plan`` (``plan_sharding``).
+``docs/design.md`` indexes the named notes.
 """
 
 from fsdp2._checkpoint import (
@@ -34,6 +34,7 @@ from fsdp2._policies import (
 )
 from fsdp2.clip_grad import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from fsdp2.optim import set_optimizer_fast_path
+from fsdp2.plan import ShardingPlan, plan_sharding
 from fsdp2.trace import ScheduleTrace, trace_schedule
 
 __version__ = "0.1.0.dev0"
@@ -47,6 +48,7 @@ __all__ = [
     "OffloadPolicy",
     "ReducePolicy",
     "ScheduleTrace",
+    "ShardingPlan",
     "UnshardHandle",
     "clip_grad_norm_",
     "clip_grads_with_norm_",
@@ -56,6 +58,7 @@ __all__ = [
     "init_sharded_",
     "load_checkpoint",
     "load_full_state_dict",
+    "plan_sharding",
     "register_fsdp_forward_method",
     "save_checkpoint",
     "set_optimizer_fast_path",

@@ -2,6 +2,9 @@
 any process group is needed. If a name here changes, users switching from
 ``torch.distributed.fsdp`` by import break: change the docs and CHANGELOG with it."""
 
+import ast
+import pathlib
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ def test_all_is_pinned() -> None:
         "OffloadPolicy",
         "ReducePolicy",
         "ScheduleTrace",
+        "ShardingPlan",
         "UnshardHandle",
         "clip_grad_norm_",
         "clip_grads_with_norm_",
@@ -28,6 +32,7 @@ def test_all_is_pinned() -> None:
         "init_sharded_",
         "load_checkpoint",
         "load_full_state_dict",
+        "plan_sharding",
         "register_fsdp_forward_method",
         "save_checkpoint",
         "set_optimizer_fast_path",
@@ -175,6 +180,7 @@ def test_package_never_imports_torch_fsdp() -> None:
 # a module may import only modules after it.
 MODULE_CHAIN = [
     "__init__",
+    "plan",  # the subpackage: above the runtime; its own modules follow PLAN_CHAIN
     "trace",
     "_trace_views",
     "pipelining",
@@ -205,27 +211,66 @@ MODULE_CHAIN = [
 ]
 
 
-def test_imports_point_down_the_chain() -> None:
-    """Every fsdp2 module is placed in ``MODULE_CHAIN`` and imports only modules below it
-    (including imports inside functions and under ``TYPE_CHECKING``)."""
-    import ast
-    import pathlib
+# fsdp2/plan/ (the planner): its modules in reading order. Each imports only plan modules
+# below it and runtime modules (MODULE_CHAIN below "plan"); nothing in the runtime imports
+# it (the chain above puts "plan" over every runtime module).
+PLAN_CHAIN = [
+    "__init__",
+    "__main__",
+    "_plan_sharding",
+    "_grouping",
+    "_evaluate",
+    "_sharding_plan",
+    "_simulate",
+    "_trace",
+    "_optimizer",
+    "_model",
+    "_layout",
+]
 
+
+def _fsdp2_imports(path: pathlib.Path) -> list[tuple[int, list[str]]]:
+    """``(line, [dotted target under fsdp2])`` for every import of ``path`` naming fsdp2
+    (including imports inside functions and under ``TYPE_CHECKING``): ``from fsdp2 import
+    _stream_utils`` gives ``["_stream_utils"]``, ``from fsdp2.plan._model import y``
+    ``["plan", "_model"]``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[list[str]] = []
+        if isinstance(node, ast.ImportFrom) and node.module == "fsdp2":
+            targets = [[alias.name] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp2."):
+            targets = [(node.module or "").split(".")[1:]]
+        elif isinstance(node, ast.Import):
+            targets = [a.name.split(".")[1:] for a in node.names if a.name.startswith("fsdp2.")]
+        for target in targets:
+            out.append((node.lineno, target))
+    return out
+
+
+def test_imports_point_down_the_chain() -> None:
+    """Every fsdp2 module is placed in ``MODULE_CHAIN`` (the planner's in ``PLAN_CHAIN``)
+    and imports only modules below it (including imports inside functions and under
+    ``TYPE_CHECKING``)."""
     package = pathlib.Path(fsdp2.__file__).parent
-    assert sorted(p.stem for p in package.glob("*.py")) == sorted(MODULE_CHAIN)
+    assert sorted(p.stem for p in package.glob("*.py")) == sorted(
+        m for m in MODULE_CHAIN if m != "plan"
+    )
+    assert sorted(p.stem for p in (package / "plan").glob("*.py")) == sorted(PLAN_CHAIN)
     upward = []
     for path in sorted(package.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.ImportFrom) and node.module == "fsdp2":
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp2."):
-                targets = [(node.module or "").split(".")[1]]
-            elif isinstance(node, ast.Import):
-                targets = [a.name.split(".")[1] for a in node.names if a.name.startswith("fsdp2.")]
-            for target in targets:
-                if MODULE_CHAIN.index(target) <= MODULE_CHAIN.index(path.stem):
-                    upward.append(f"{path.name}:{node.lineno} imports {target}")
+        for line, target in _fsdp2_imports(path):
+            if MODULE_CHAIN.index(target[0]) <= MODULE_CHAIN.index(path.stem):
+                upward.append(f"{path.name}:{line} imports {'.'.join(target)}")
+    for path in sorted((package / "plan").glob("*.py")):
+        for line, target in _fsdp2_imports(path):
+            if target[0] == "plan":
+                inner = target[1] if len(target) > 1 else "__init__"
+                wrong = PLAN_CHAIN.index(inner) <= PLAN_CHAIN.index(path.stem)
+            else:  # the runtime, below the planner
+                wrong = MODULE_CHAIN.index(target[0]) <= MODULE_CHAIN.index("plan")
+            if wrong:
+                upward.append(f"plan/{path.name}:{line} imports {'.'.join(target)}")
     assert upward == []
 
 
