@@ -463,6 +463,14 @@ class ShardedParam:
         self._local_layout = (local.shape, local.stride())
         dtensor = self._global(local, self.dtensor_mesh, self.placements)
         self.sharded_param = nn.Parameter(dtensor, requires_grad=requires_grad)
+        # [Note: the parameter keeps its own mesh] ``nn.Parameter`` detaches a DTensor
+        # through DTensor's dispatch, whose sharding-propagation cache compares meshes by
+        # layout and dim names, not process groups: after an earlier parameter of the same
+        # shape on another mesh over the same ranks (a process group with another timeout,
+        # one since destroyed), the new parameter would come back on that mesh, and its
+        # ``full_tensor()``, gradient clipping and checkpoints would use the other process
+        # group. Put back the spec built here, on the mesh the caller gave.
+        self.sharded_param._spec = dtensor._spec  # type: ignore[attr-defined]
         _SHARD_OWNERS[id(self.sharded_param)] = self
         # Gradients share the parameter's spec (mesh, placements, global shape). Building
         # it once here and wrapping each step's gradient with the DTensor constructor

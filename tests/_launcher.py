@@ -224,6 +224,19 @@ def _reset_state(dist_snapshot: dict[str, Any]) -> None:
         if not isinstance(current[name], types.ModuleType):
             delattr(dist, name)
 
+    # DTensor's sharding-propagation cache treats meshes of equal layout as one, whatever
+    # their process groups: an op on a DTensor could come back on the mesh of an earlier
+    # task (over a process group that task broke on purpose, or destroyed).
+    propagator = getattr(
+        getattr(_dtensor_class(), "_op_dispatcher", None), "sharding_propagator", None
+    )
+    cache_clear = getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+    native_clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native_clear is not None:  # the C++ dispatch's cache (torch >= 2.13)
+        native_clear()
+
     torch.set_num_threads(1)
     torch.set_grad_enabled(True)
     torch.set_default_dtype(torch.float32)
@@ -232,6 +245,12 @@ def _reset_state(dist_snapshot: dict[str, Any]) -> None:
     np = sys.modules.get("numpy")
     if np is not None:
         np.random.seed(0)
+
+
+def _dtensor_class() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 _MISSING = object()

@@ -1000,3 +1000,44 @@ def test_int_reshard_on_a_mesh_in_another_rank_order(impl: str) -> None:
     backward all-gathered a wrong weight. Found by the fuzzer (per-parameter meshes)."""
     for diff in run_ranks(_int_reshard_on_permuted_mesh, 4, impl):
         assert diff <= TOL, diff
+
+
+def parameters_on_equal_meshes() -> dict[str, Any]:
+    """Rank function: one module sharded on a mesh over a process group of its own, then
+    another module with parameters of the same shapes on the default mesh over the same
+    ranks (equal as DeviceMeshes: same layout, no dim names). Which process group does
+    each parameter, and its gradient, use?"""
+    from datetime import timedelta
+
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import fsdp2
+
+    ranks = list(range(dist.get_world_size()))
+    own = DeviceMesh.from_group(dist.new_group(ranks, timeout=timedelta(seconds=30)), "cpu")
+    default = init_device_mesh("cpu", (len(ranks),))
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    fsdp2.fully_shard(first, mesh=own)
+    fsdp2.fully_shard(second, mesh=default)
+    second(torch.ones(2, 8)).sum().backward()
+    return {
+        "equal": own == default,
+        "own": own.get_group().group_name,
+        "default": default.get_group().group_name,
+        "first": [p.device_mesh.get_group().group_name for p in first.parameters()],
+        "second": [p.device_mesh.get_group().group_name for p in second.parameters()],
+        "grads": [p.grad.device_mesh.get_group().group_name for p in second.parameters()],
+    }
+
+
+def test_parameters_keep_their_mesh_next_to_an_equal_one() -> None:
+    """DTensor's sharding-propagation cache compares meshes by layout, so wrapping the
+    second module's shards as parameters (a detach through DTensor's dispatch) would give
+    them the first module's mesh and process group; fsdp2 keeps the mesh it was given
+    ([Note: the parameter keeps its own mesh] in ``_param``)."""
+    for result in run_ranks(parameters_on_equal_meshes, 2):
+        assert result["equal"] and result["own"] != result["default"], result
+        assert set(result["first"]) == {result["own"]}, result
+        assert set(result["second"]) == {result["default"]}, result
+        assert set(result["grads"]) == {result["default"]}, result
