@@ -12,7 +12,10 @@
 #      torch's fully_shard in one run, then the report;
 #   3. one schedule trace of gpu-1b (fsdp2.trace_schedule, timing events on the CUDA
 #      streams): its summary in gpu_trace.log and the JSON, the step's PNG trace_ws1.png,
-#      and the tracing cost against untraced fsdp2 in the same rounds.
+#      and the tracing cost against untraced fsdp2 in the same rounds;
+#   4. the divergence checks on and off (benchmarks/divergence.py) on gpu-1b with CUDA
+#      tensors on an 8-rank fake process group: fsdp2's CUDA path with the fingerprints'
+#      readbacks and the wait before the optimizer step, without communication.
 #
 # Each part has its own time limit, so the whole run ends within about 10 minutes; a part
 # that fails does not stop the next one. Usage (device tool): bash benchmarks/gpu_session.sh
@@ -48,4 +51,8 @@ echo "== schedule trace: gpu-1b on one GPU, fsdp2 traced and untraced"
 timeout 150 "$python" benchmarks/compare.py --device cuda --config gpu-1b --impls fsdp2 --trace \
     --steps 4 --warmup 2 --ttfs-repeats 0 --no-memory --json "$out/gpu-1b-trace.json" 2>&1 |
     tee "$out/gpu_trace.log" || status=1
+echo "== divergence checks: gpu-1b, CUDA tensors on an 8-rank fake process group, on/off"
+timeout 150 "$python" benchmarks/divergence.py --device cuda --config gpu-1b --fake-world-size 8 \
+    --rounds 6 --warmup 2 --inside-steps 2 --json "$out/gpu-1b-divergence.json" 2>&1 |
+    tee "$out/gpu_divergence.log" || status=1
 exit "$status"

@@ -5,9 +5,10 @@ Reading order for the implementation: ``_fully_shard`` (API) -> ``_init`` (valid
 discovery) -> ``_state`` (hooks, lazy init, final callback) -> ``_param_group`` (per-group
 unshard/reshard) -> ``_grad_reduce`` (per-group gradient reduction) -> ``_comm_context``
 (streams and reductions shared by a tree) -> ``_param`` (one parameter's views) ->
-``_collectives`` -> ``_stream_utils``. Above the runtime and imported by nothing in it:
-``trace`` (``trace_schedule``, the schedule trace) and ``plan`` (``plan_sharding``).
-``docs/design.md`` indexes the named notes.
+``_collectives`` -> ``_fingerprints`` and ``_divergence`` (what ranks that run different
+paths are told: the divergence checks) -> ``_stream_utils``. Above the runtime and
+imported by nothing in it: ``trace`` (``trace_schedule``, the schedule trace) and ``plan``
+(``plan_sharding``). ``docs/design.md`` indexes the named notes.
 """
 
 from fsdp2._checkpoint import (
@@ -18,6 +19,7 @@ from fsdp2._checkpoint import (
     load_full_state_dict,
     save_checkpoint,
 )
+from fsdp2._divergence import DivergenceError, set_divergence_checks
 from fsdp2._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -42,6 +44,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
+    "DivergenceError",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "ModelOptimizerState",
@@ -61,6 +64,7 @@ __all__ = [
     "plan_sharding",
     "register_fsdp_forward_method",
     "save_checkpoint",
+    "set_divergence_checks",
     "set_optimizer_fast_path",
     "share_comm_ctx",
     "trace_schedule",

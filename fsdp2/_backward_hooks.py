@@ -16,6 +16,7 @@ post-backward), and the methods here run when backward reaches them:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from torch.autograd import Variable
 from fsdp2._backward_nodes import ForwardCall
 from fsdp2._comm_context import CommContext
 from fsdp2._comm_records import Phase
+from fsdp2._divergence import step_probes
 from fsdp2._param_group import ParamGroup
 
 # Debug events of the hooks, named like torch's ("FSDP::pre_forward (layers.0)"), under
@@ -87,6 +89,30 @@ class TreeContext:
         # False until the root's first forward: a tree that ``unshard()`` on a submodule
         # created is taken over by the outermost root at its first forward.
         self.started = False
+        _LIVE_TREES.add(self)
+
+    def step_in_progress(self) -> str | None:
+        """What of a step is under way in this tree, or None (for switches that may only
+        change between steps: ``fsdp2.set_divergence_checks``)."""
+        where = f"the tree rooted at {self.root.label}"
+        if self.in_backward:
+            return f"{where} is in a backward"
+        if any(s.training_state is not TrainingState.IDLE for s in self.states):
+            return f"{where} is in a forward"
+        if self.live_claims > 0:
+            return f"{where} has a forward whose backward is still to come"
+        comm = self.comm
+        if comm.all_gathers_in_flight or comm.reduces:
+            return f"{where} has collectives in flight (an unshard(async_op=True) not waited for, or reductions left by set_is_last_backward(False))"
+        owed = [
+            g.where
+            for s in self.states
+            for g in s.groups
+            if g.grads_unsynced or g._partial_reduce is not None
+        ]
+        if owed:
+            return f"{where} holds gradient sums for a later reduction (set_requires_gradient_sync(False) or set_requires_all_reduce(False)) in {', '.join(owed)}"
+        return None
 
     def queue_final_callback(self) -> None:
         """Have the root's final callback run at the end of the backward under way."""
@@ -95,6 +121,17 @@ class TreeContext:
             self.in_backward = True
             Variable._execution_engine.queue_callback(self.root._finish_backward)
 
+
+# Every tree alive, for ``set_divergence_checks`` (which may only switch between steps).
+_LIVE_TREES: weakref.WeakSet[TreeContext] = weakref.WeakSet()
+
+
+def _steps_in_progress() -> str | None:
+    reasons = [r for tree in list(_LIVE_TREES) if (r := tree.step_in_progress()) is not None]
+    return "; ".join(reasons) if reasons else None
+
+
+step_probes.append(_steps_in_progress)
 
 # Called with every tree at the end of its lazy init: a schedule trace active before the
 # first forward attaches its recorder to the tree built then ([Note: schedule records] in
@@ -465,8 +502,7 @@ class BackwardHooks:
         tree.in_backward = False
         tree.callback_queued = False
         tree.building_graph = False
-        if tree.comm.recorder is not None:
-            tree.comm.abandon_step()
+        tree.comm.abandon_step()
 
 
 class _TorchStateContext:

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp2._comm_records import CollectiveRecord, stamp
+from fsdp2._divergence import DivergenceError, report_failure, wait_watching_peers
+from fsdp2._fingerprints import FingerprintCheck, pending_checks, poll
 from fsdp2._stream_utils import Event, Stream, record_event, use_stream, wait_event
 
 
@@ -34,31 +36,54 @@ class PendingCollective(NamedTuple):
     what: str = ""  # e.g. "all-gather of blocks.0 (Block)": named if the collective fails
     # Its descriptor while a schedule recorder is attached ([Note: schedule records]).
     record: CollectiveRecord | None = None
+    # The check of its fingerprints, with divergence checks on ([Note: in-band
+    # fingerprints] in ``_fingerprints``): verified right after the wait on the CPU; on an
+    # accelerator registered at issue and verified by a later ``poll``/``settle``.
+    check: FingerprintCheck | None = None
 
 
 def wait(pending: PendingCollective | None, consumer: Stream) -> None:
-    """Order ``consumer`` (or, on the CPU, the calling thread) after ``pending``."""
+    """Order ``consumer`` (or, on the CPU, the calling thread) after ``pending``; check its
+    fingerprints (CPU), or those of earlier collectives that have arrived (accelerator)."""
     if pending is None:
         return
     record = pending.record
     if record is not None:
         record.recorder.waiting(record, consumer)
+    check = pending.check
     if pending.work is not None:
         try:
-            pending.work.wait()
-        except RuntimeError as error:
-            name_failed_collective(error, pending.what)
+            if check is None:
+                pending.work.wait()
+            else:  # see [Note: named timeouts] in ``_divergence``
+                wait_watching_peers(pending.work, check.issued)
+        except DivergenceError:
             raise
+        except RuntimeError as error:
+            name_failed_collective(error, pending.what, check)
+            raise
+        if check is not None:
+            check.verify()
+    elif pending_checks:
+        poll()
     wait_event(consumer, pending.event)
     if record is not None:
         record.recorder.waited(record, consumer)
 
 
-def name_failed_collective(error: BaseException, what: str) -> None:
+def name_failed_collective(
+    error: BaseException, what: str, check: FingerprintCheck | None = None
+) -> None:
     """Add to a backend's error (a timeout, a peer gone, a size mismatch: messages that
     name no module) which of fsdp2's collectives this rank was in, and the usual cause. A
     note rather than a new exception keeps the backend's class (``DistBackendError``),
-    which launchers and user code may catch. Python 3.10 has no notes: nothing added."""
+    which launchers and user code may catch. With divergence checks on (``check``), the
+    note is every rank's report, exchanged through the store ([Note: named timeouts] in
+    ``_divergence``). Python 3.10 has no notes: nothing added, or with the checks on a
+    ``DivergenceError`` raised from ``error``."""
+    if check is not None:
+        report_failure(error, check.issued)
+        return
     add_note = getattr(error, "add_note", None)
     if add_note is None or not what:
         return
@@ -75,6 +100,7 @@ def _issue(
     stream: Stream,
     what: str,
     record: CollectiveRecord | None,
+    check: FingerprintCheck | None,
     call: Any,
     *args: Any,
     **kwargs: Any,
@@ -90,16 +116,20 @@ def _issue(
             work = call(*args, async_op=True, **kwargs)
             if record is not None:
                 record.recorder.issued(record, stream, work)
-            return PendingCollective(work, None, what, record)
+            return PendingCollective(work, None, what, record, check)
         with use_stream(stream):
             if record is not None:
                 record.recorder.issuing(record, stream)
             call(*args, async_op=False, **kwargs)
             if record is not None:
                 record.recorder.issued(record, stream, None)
-            return PendingCollective(None, record_event(stream), what, record)
+            if check is not None:  # the fingerprints go to host memory behind it
+                check.read_back(stream)
+            return PendingCollective(None, record_event(stream), what, record, check)
+    except DivergenceError:
+        raise
     except RuntimeError as error:
-        name_failed_collective(error, what)
+        name_failed_collective(error, what, check)
         raise
 
 
@@ -111,6 +141,7 @@ def all_gather_flat(
     custom: Any = None,
     what: str = "all-gather",
     record: CollectiveRecord | None = None,
+    check: FingerprintCheck | None = None,
 ) -> PendingCollective:
     """Gather every rank's equal-sized 1-D ``input`` into ``output``, rank-major.
     ``custom``: a callable ``(output, input, group, async_op)`` to use instead (torch's
@@ -119,7 +150,7 @@ def all_gather_flat(
     call = custom or getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     if record is not None:
         stamp(record, "all_gather", output.numel() * output.element_size())
-    return _issue(stream, what, record, call, output, input, group=group)
+    return _issue(stream, what, record, check, call, output, input, group=group)
 
 
 def reduce_scatter_flat(
@@ -131,6 +162,7 @@ def reduce_scatter_flat(
     custom: Any = None,
     what: str = "reduce-scatter",
     record: CollectiveRecord | None = None,
+    check: FingerprintCheck | None = None,
 ) -> PendingCollective:
     """Sum ``input`` (rank-major, ``world_size * output.numel()``) over ranks, scattering
     chunk ``rank`` into ``output``. ``custom``: a callable ``(output, input, group, op,
@@ -139,7 +171,7 @@ def reduce_scatter_flat(
     call = custom or getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if record is not None:
         stamp(record, "reduce_scatter", input.numel() * input.element_size())
-    return _issue(stream, what, record, call, output, input, op=op, group=group)
+    return _issue(stream, what, record, check, call, output, input, op=op, group=group)
 
 
 def all_to_all_flat(
@@ -149,6 +181,7 @@ def all_to_all_flat(
     stream: Stream,
     what: str = "all-to-all",
     record: CollectiveRecord | None = None,
+    check: FingerprintCheck | None = None,
 ) -> PendingCollective:
     """Send chunk ``r`` of ``input`` (rank-major, ``world_size`` equal chunks) to rank
     ``r``, receiving every rank's chunk for this rank into ``output`` in group rank order
@@ -156,7 +189,7 @@ def all_to_all_flat(
     its name in errors; ``record``: its descriptor for a schedule recorder."""
     if record is not None:
         stamp(record, "all_to_all", input.numel() * input.element_size())
-    return _issue(stream, what, record, dist.all_to_all_single, output, input, group=group)
+    return _issue(stream, what, record, check, dist.all_to_all_single, output, input, group=group)
 
 
 def all_reduce_flat(
@@ -166,12 +199,13 @@ def all_reduce_flat(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     what: str = "all-reduce",
     record: CollectiveRecord | None = None,
+    check: FingerprintCheck | None = None,
 ) -> PendingCollective:
     """Sum ``tensor`` in place over ``group`` (HSDP's cross-replica reduction). ``record``:
     its descriptor for a schedule recorder."""
     if record is not None:
         stamp(record, "all_reduce", tensor.numel() * tensor.element_size())
-    return _issue(stream, what, record, dist.all_reduce, tensor, op=op, group=group)
+    return _issue(stream, what, record, check, dist.all_reduce, tensor, op=op, group=group)
 
 
 def min_and_max(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:

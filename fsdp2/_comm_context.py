@@ -22,11 +22,15 @@ all-reduce on the backend). The checks pair up with each other up to the first
 difference, which is where they catch it: every rank raises a ``RuntimeError`` that names
 what each rank was about to do, before the mismatched collective is issued. The check
 costs a blocking round trip per collective and ends the overlap of communication with
-compute, so it is off by default.
+compute, so it is off by default: the divergence checks, on by default, find the same
+differences in the collectives' own messages ([Note: in-band fingerprints] in
+``_fingerprints``), at the collective that paired up wrongly; this check is their strict
+variant, which names the difference before anything is issued.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
@@ -36,6 +40,17 @@ import torch.distributed as dist
 
 from fsdp2._collectives import PendingCollective, descriptions_if_different, wait
 from fsdp2._comm_records import CollectiveRecord, Phase, ScheduleRecorder
+from fsdp2._divergence import (
+    Fingerprint,
+    Issued,
+    any_failed,
+    checks_enabled,
+    failure_of,
+    forget_failure,
+    remember,
+    stage_of,
+)
+from fsdp2._fingerprints import discard_pending, poll
 from fsdp2._host_buffers import HostBufferPool
 from fsdp2._stream_utils import CommStreams, Event, record_event, wait_stream
 
@@ -62,6 +77,18 @@ class ReduceInFlight(NamedTuple):
     # Set when the ranks' chunks were exchanged by an all-to-all (``output`` holds all of
     # them) and are still to be summed in this dtype; None: ``output`` is reduced.
     accumulate_dtype: torch.dtype | None = None
+    # Elements of the fingerprint block at the end of each chunk (0: none); see [Note:
+    # in-band fingerprints] in ``_fingerprints``.
+    block: int = 0
+
+
+class Stamp(NamedTuple):
+    """What ``CommContext.before_collective`` gives a collective about to be issued."""
+
+    record: CollectiveRecord | None  # its descriptor for a schedule recorder, if attached
+    # What it is, with its fingerprint, while divergence checks are on ([Note: in-band
+    # fingerprints] in ``_fingerprints``); also in this rank's ring buffer.
+    issued: Issued | None
 
 
 class GatheringGroup(Protocol):
@@ -92,14 +119,26 @@ class CommContext:
         self.host_buffers = HostBufferPool(device)  # see [Note: host buffer pool]
         # See [Note: ranks that run different paths].
         self.check_collectives = collective_checks_requested()
-        # A schedule recorder (``fsdp2.trace``), and what only its records use: the step
-        # and the sequence number of the next collective; see [Note: schedule records] in
-        # ``_comm_records``.
+        # A schedule recorder (``fsdp2.trace``); see [Note: schedule records] in
+        # ``_comm_records``. The step and the sequence number of the next collective are
+        # counted always: the records and the divergence checks' fingerprints use them.
         self.recorder: ScheduleRecorder | None = None
         self.step = 0
         self.sequence = 0
         self._step_reduced = False
+        # The groups of the trees on this context, by index: a fingerprint names its
+        # group by its index ([Note: in-band fingerprints] in ``_fingerprints``).
+        self.groups: list[object] = []
+        self._group_index: dict[int, int] = {}
         _LIVE.add(self)
+
+    def register_groups(self, groups: Iterable[object]) -> None:
+        """Number ``groups`` (a tree's, in its states' order, at its lazy init: the same
+        on every rank, which built the same model)."""
+        for group in groups:
+            if id(group) not in self._group_index:
+                self._group_index[id(group)] = len(self.groups)
+                self.groups.append(group)
 
     def before_collective(
         self,
@@ -108,35 +147,61 @@ class CommContext:
         process_group: dist.ProcessGroup,
         group: object,
         phase: Phase = Phase.REDUCE,
-    ) -> CollectiveRecord | None:
+    ) -> Stamp:
         """Called by ``group`` right before it issues a collective (``what``, of ``numel``
         elements, on ``process_group``): check that every rank issues the same one, when
-        asked to ([Note: ranks that run different paths]), and return its descriptor, or
-        None when no recorder is attached ([Note: schedule records] in
-        ``_comm_records``)."""
+        asked to ([Note: ranks that run different paths]); return its descriptor for a
+        recorder ([Note: schedule records] in ``_comm_records``) and, with divergence
+        checks on, what it is and its fingerprint (remembered in the ring buffer, [Note:
+        named timeouts] in ``_divergence``)."""
         if self.check_collectives:
             self.check_same_collective(what, numel, process_group)
+        seq = self.sequence
+        self.sequence = seq + 1
         recorder = self.recorder
-        if recorder is None:
-            return None
-        self.sequence += 1
-        return CollectiveRecord(recorder, group, phase, self.sequence - 1, self.step)
+        record = (
+            None if recorder is None else CollectiveRecord(recorder, group, phase, seq, self.step)
+        )
+        if not checks_enabled():
+            return Stamp(record, None)
+        fingerprint = Fingerprint(self._group_index.get(id(group), -1), stage_of(phase), seq)
+        issued = Issued(fingerprint, what, self.step, time.time(), process_group, self)
+        remember(issued)
+        return Stamp(record, issued)
 
     def root_forward_begins(self, root: object) -> None:
-        """A root of this context starts a forward (called only while recording): the
-        first one after a step whose gradients were reduced starts the next step."""
+        """A root of this context starts a forward: the first one after a step whose
+        gradients were reduced starts the next step."""
         if self._step_reduced:
             self.step += 1
             self._step_reduced = False
         if self.recorder is not None:
             self.recorder.root_forward_begins(root, self.step)
 
+    @property
+    def upcoming_step(self) -> int:
+        """The step the next root forward belongs to: this one, or the next once this
+        one's gradients were reduced."""
+        return self.step + int(self._step_reduced)
+
     def abandon_step(self) -> None:
-        """``reset_iter_state`` dropped a failed step (called only while recording): the
-        next root forward starts a new one."""
+        """``reset_iter_state`` dropped a failed step: the next root forward starts a new
+        one, and the fingerprints still on their way are not checked."""
         self._step_reduced = True
+        discard_pending()
+        forget_failure(self)
         if self.recorder is not None:
             self.recorder.reset()
+
+    def drop_if_failed(self) -> str | None:
+        """If a report marked this context failed, forget the collectives it has in flight
+        instead of waiting for them, and return the report's headline; see [Note: a failed
+        step's collectives in flight] in ``_divergence``."""
+        headline = failure_of(self)
+        if headline is not None:
+            self.reduces.clear()
+            self.all_gathers_in_flight.clear()
+        return headline
 
     def order_all_gathers_after_compute(self) -> None:
         """Make every later all-gather wait for the work queued on the compute stream so
@@ -185,7 +250,11 @@ class CommContext:
         )
 
     def finish_reduces(self, keep: int = 0) -> None:
-        """Finish reduce-scatters in issue order until at most ``keep`` remain in flight."""
+        """Finish reduce-scatters in issue order until at most ``keep`` remain in flight
+        (none to finish after a failed step's report: [Note: a failed step's collectives in
+        flight] in ``_divergence``)."""
+        if any_failed() and self.drop_if_failed() is not None:
+            return
         while len(self.reduces) > keep:
             in_flight = self.reduces.pop(0)
             in_flight.group.finish_reduce(in_flight)
@@ -197,12 +266,13 @@ class CommContext:
         """Finish every reduction in flight and order the compute stream after them: the
         end of the last backward, and before an optimizer step."""
         recorder = self.recorder
+        self._step_reduced = self._step_reduced or bool(self.reduces)
         if recorder is not None:
-            self._step_reduced = self._step_reduced or bool(self.reduces)
             recorder.final_wait_begins()
         self.finish_reduces(keep=0)
         streams = self.streams
         wait_stream(streams.compute(), streams.reduce_scatter)
+        poll()  # fingerprints that have arrived (accelerators): [Note: in-band fingerprints]
         if recorder is not None:
             recorder.final_wait_ends()
 
@@ -225,6 +295,9 @@ def order_step_after_all_gathers(params: Iterable[torch.Tensor]) -> None:
     again before use ([Note: stale unsharded parameters]). Nothing to do, and no
     per-parameter work, when no all-gather is in flight (the usual step, and an
     optimizer stepping inside backward while prefetches of other groups run)."""
+    if any_failed():  # [Note: a failed step's collectives in flight] in ``_divergence``
+        for context in list(_LIVE):
+            context.drop_if_failed()
     contexts = [context for context in list(_LIVE) if context.all_gathers_in_flight]
     if not contexts:
         return
@@ -233,6 +306,36 @@ def order_step_after_all_gathers(params: Iterable[torch.Tensor]) -> None:
         for group, pending in list(context.all_gathers_in_flight.items()):
             if any(id(shard) in stepped for shard in group.sharded_params()):
                 wait(pending, context.streams.compute())
+
+
+def refuse_step_over_failed(param_groups: list[dict]) -> None:
+    """Before an optimizer step over ``param_groups``: raise if some of its parameters
+    belong to a context whose step failed and was not reset, since the reductions that
+    context dropped left their gradients missing or partial; see [Note: a failed step's
+    collectives in flight] in ``_divergence``. Free unless some context failed."""
+    if not any_failed():
+        return
+    stepped = {id(p) for group in param_groups for p in group["params"]}
+    for context in list(_LIVE):
+        headline = failure_of(context)
+        if headline is None:
+            continue
+        hit = [
+            str(getattr(group, "where", group))
+            for group in context.groups
+            if any(id(shard) in stepped for shard in group.sharded_params())  # type: ignore[attr-defined]
+        ]
+        if hit:
+            raise RuntimeError(
+                f"fully_shard: this optimizer step would update parameters of "
+                f"{', '.join(hit[:3])}{' and others' if len(hit) > 3 else ''} after their "
+                f"model's step failed ({headline.splitlines()[0]}). The collectives that "
+                f"step left in flight were dropped, so their gradients are missing or "
+                f"partial. Call reset_iter_state() on the model's root and zero_grad() "
+                f"before the next step, on a healthy process group (after a divergence, "
+                f"end the job or recreate the process groups: their collectives are out of "
+                f"step)."
+            )
 
 
 def collective_checks_requested() -> bool:

@@ -3,7 +3,7 @@
 [Note: schedule records]
 fsdp2 issues every collective itself, so it can say what each one is in FSDP's own terms:
 which group, which phase asked for it, whether it was a prefetch. A tool above the runtime
-(``fsdp2.trace``, and any later one such as a divergence detector) learns this through
+(``fsdp2.trace``, and any later one) learns this through
 one seam: an optional recorder on each tree's ``CommContext`` (``recorder``; None unless a
 tool attached one). With none attached, each hook pays one attribute check and each
 collective one ``is None``; nothing is created. With one attached:
@@ -12,9 +12,9 @@ collective one ``is None``; nothing is created. With one attached:
   also runs the cross-rank check of [Note: ranks that run different paths]) makes its
   ``CollectiveRecord``: the group, the phase (forward, backward, an explicit
   ``unshard()``; prefetched or not; ``REDUCE`` for every collective of a gradient
-  reduction), the context's step and a sequence number (both counted from when the
-  recorder was attached; one context per tree, or per set of trees joined by
-  ``share_comm_ctx``). The collectives layer stamps the kind (the torch collective it
+  reduction), the context's step and sequence number (counted always, since the
+  divergence checks' fingerprints carry them too; one context per tree, or per set of
+  trees joined by ``share_comm_ctx``; the trace numbers steps from the first it sees). The collectives layer stamps the kind (the torch collective it
   calls: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``) and the
   bytes, and calls the recorder right before and after issuing it (with its stream and,
   on the CPU, its ``Work``) and before and after every wait on it (with the waiting

@@ -24,7 +24,7 @@ with ``out=`` is the one it wrapped). Resharding resizes these storages, and tho
 returned inner tensors that are separate allocations (a cast), to zero bytes; unsharding
 resizes them back before the copy-out writes the outputs and the hook refills ``out``.
 The group gathers every input of every parameter, with its plain parameters, in one
-``uint8`` collective (see [Note: groups with extensions] in ``_param_group``).
+``uint8`` collective (see [Note: groups with extensions] in ``_all_gather``).
 """
 
 from __future__ import annotations

@@ -67,10 +67,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from fsdp2._divergence import Issued, checks_enabled
+from fsdp2._fingerprints import (
+    BLOCK_BYTES,
+    allocate_with_room,
+    block_numel,
+    block_tensor,
+    custom_refused,
+)
 from fsdp2._param import ShardedParam
 
 
@@ -88,6 +97,7 @@ class GradientPacking:
     reduce_dtype: torch.dtype | None
     _reduce_sizes: list[int]
     grads_unsynced: bool
+    replicate_group: Any  # HSDP's process group over replicas, or None
 
     @property
     def where(self) -> str:
@@ -105,7 +115,8 @@ class GradientPacking:
         if not trainable:
             return 0
         dtype = self.reduce_dtype or promote_dtypes(trainable)
-        return self.world_size * self.flag_numel(len(self.params), dtype) * dtype.itemsize
+        flags = self.flag_numel(len(self.params), dtype) * dtype.itemsize
+        return self.world_size * (flags + BLOCK_BYTES)  # and a fingerprint block
 
     def flag_numel(self, count: int, dtype: torch.dtype) -> int:
         """Elements of the flags region at the end of each rank's reduce-scatter chunk:
@@ -114,6 +125,54 @@ class GradientPacking:
         [Note: padded gradient flags])."""
         per_region = max(1, REDUCE_FLAG_ALIGN_BYTES // dtype.itemsize)
         return -(-count // per_region) * per_region
+
+    def fingerprint_block_numel(self, dtype: torch.dtype, custom: Any) -> int:
+        """Elements of the fingerprint block after the flags of each rank's chunk in
+        ``dtype`` ([Note: in-band fingerprints] in ``_fingerprints``): none with the
+        divergence checks off, for one rank without replicas (no collective), or with a
+        custom reduce-scatter found unable to carry it."""
+        if not checks_enabled() or (self.world_size == 1 and self.replicate_group is None):
+            return 0
+        if custom is not None and custom_refused(custom, self.where, _CUSTOM_API):
+            return 0
+        return block_numel(dtype)
+
+    def reduce_input(
+        self,
+        custom: Any,
+        rows: list[torch.Tensor],
+        numel: int,
+        block: int,
+        dtype: torch.dtype,
+        pool: Any,
+    ) -> tuple[torch.Tensor, int, int]:
+        """The reduction's input buffer for ``world_size`` chunks of ``numel`` elements (the
+        last ``block`` of them the fingerprint block), from ``custom``'s allocator or the
+        host buffer ``pool``; returns it, ``numel`` and ``block``, without the block (taken
+        off ``rows`` too) when a custom allocator cannot carry it."""
+        ws = self.world_size
+        if custom is None:
+            return pool.empty(ws * numel, dtype, self.device), numel, block
+        if block:
+            args = (ws * numel, dtype, self.device, self.where, _CUSTOM_API)
+            roomy = allocate_with_room(custom, *args)
+            if roomy is not None:
+                return roomy, numel, block
+            numel, block = numel - block, 0
+            rows[-1] = rows[-1][:, : rows[-1].shape[1] - block_numel(dtype)]
+        return custom.allocate((ws * numel,), dtype=dtype, device=self.device), numel, block
+
+    def append_fingerprint_block(
+        self, rows: list[torch.Tensor], issued: Issued | None, block: int
+    ) -> int:
+        """Add ``issued``'s fingerprint block (zeros without one: room for HSDP's
+        all-reduce) after the flags, the last of ``rows`` (``gradient_rows``), in every
+        rank's chunk; returns its elements."""
+        flags = rows[-1]
+        fingerprint = None if issued is None else issued.fingerprint
+        values = block_tensor(fingerprint, block, flags.dtype, self.device)
+        rows[-1] = torch.cat([flags, values.expand(self.world_size, block)], dim=1)
+        return block
 
     # -- gradients -------------------------------------------------------------------------
     def reduced_positions(self) -> tuple[int, ...]:
@@ -274,6 +333,7 @@ class GradientPacking:
 
 # See [Note: padded gradient flags].
 REDUCE_FLAG_ALIGN_BYTES = 64
+_CUSTOM_API = "set_custom_reduce_scatter"
 
 # One aten kernel that chunks, pads and concatenates (what the reduce-scatter copy-in needs);
 # torch's own FSDP uses it. Private in name, so looked up with a fallback.

@@ -23,15 +23,6 @@ with the next block's backward kept two copies of one block's gradients alive wh
 synchronous CPU path has one (upstream's memory test: 156.5 MB vs 128.2 MB backward peak).
 The input is never reused while a reference from the work may exist: it is freed, not
 returned to the host buffer pool.
-
-[Note: partial sums across changing layouts]
-HSDP with ``set_requires_all_reduce(False)`` keeps each microbatch's reduce-scattered
-output and adds the next one to it before the all-reduce. The output covers the group's
-trainable parameters, then their flags, so freezing or unfreezing a parameter between
-microbatches changes where gradients and flags sit. Adding two such outputs
-element by element would add flags into gradients (or drop a gradient); both are first
-laid out for the whole group, zeros where a parameter had none, and the sum covers every
-parameter. torch's ``fully_shard`` raises a size mismatch in the same case.
 """
 
 from __future__ import annotations
@@ -43,22 +34,18 @@ import torch
 from torch.distributed import ProcessGroup, ReduceOp
 from torch.distributed.tensor import DTensor
 
-from fsdp2._collectives import PendingCollective, all_reduce_flat, reduce_scatter_flat, wait
+from fsdp2._collectives import PendingCollective, reduce_scatter_flat, wait
 from fsdp2._comm_context import CommContext, ReduceInFlight
+from fsdp2._fingerprints import summed_block_check
 from fsdp2._grad_pack import GradientPacking, promote_dtypes
 from fsdp2._param import ShardedParam
 from fsdp2._policies import ReducePolicy
-from fsdp2._reduction import (
-    ReductionPlan,
-    exchange_chunks,
-    plan_reduction,
-    sum_exchanged,
-    sum_over_replicas,
-)
-from fsdp2._stream_utils import Stream, record_event, use_stream, wait_event, wait_stream
+from fsdp2._reduction import ReductionPlan, exchange_chunks, plan_reduction, sum_exchanged
+from fsdp2._replica_sum import ReplicaSum
+from fsdp2._stream_utils import Stream, record_event, use_stream, wait_stream
 
 
-class GradientReduction(GradientPacking):
+class GradientReduction(ReplicaSum, GradientPacking):
     """Reduce-scatter and assignment of a group's gradients (mixed into ``ParamGroup``).
 
     The attributes below are set by ``ParamGroup.__init__`` and its layout planning."""
@@ -125,10 +112,21 @@ class GradientReduction(GradientPacking):
         # so that with this one at most ``max_reduces_in_flight`` are in flight.
         comm.finish_reduces(keep=comm.max_reduces_in_flight - 1)
         custom = self.custom_reduce_scatter
-        if custom is not None:  # its buffers come from its own allocator
-            rs_input = custom.allocate((ws * numel,), dtype=reduce_dtype, device=self.device)
-        else:
-            rs_input = comm.host_buffers.empty(ws * numel, reduce_dtype, self.device)
+        group = self.reduce_scatter_group or self.process_group
+        kind = "all-to-all" if accumulate_dtype is not None else "reduce-scatter"
+        what = f"{kind} of the gradients of {self.where}"
+        # Each rank's chunk ends with a fingerprint block when checks are on: [Note:
+        # in-band fingerprints] in ``_fingerprints``.
+        block = self.fingerprint_block_numel(reduce_dtype, custom)
+        record, issued = None, None
+        if ws > 1:
+            record, issued = comm.before_collective(what, ws * (numel + block), group, self)
+        if block:
+            numel += self.append_fingerprint_block(rows, issued, block)
+        # A custom reduce-scatter allocates the buffers (without the block if it must).
+        rs_input, numel, block = self.reduce_input(
+            custom, rows, numel, block, reduce_dtype, comm.host_buffers
+        )
         self.copy_in_grads(reduced, rows, rs_input.view(ws, numel))
         del rows  # the unsharded gradients die here, not when this returns
         predivide = self.predivide_factor(reduce_dtype)
@@ -140,34 +138,47 @@ class GradientReduction(GradientPacking):
         if ws == 1:  # one rank: the input is the reduced shard (torch issues no collective)
             done = PendingCollective(None, record_event(stream))
             in_flight = ReduceInFlight(
-                self, rs_input, rs_input, done, has_grad, positions, averaged, accumulate_dtype
+                self,
+                rs_input,
+                rs_input,
+                done,
+                has_grad,
+                positions,
+                averaged,
+                accumulate_dtype,
+                block,
             )
             comm.reduces.append(in_flight)
             return
-        group = self.reduce_scatter_group or self.process_group
         with use_stream(stream):
             if accumulate_dtype is not None:  # see [Note: all-to-all reduction]
-                what = f"all-to-all of the gradients of {self.where}"
                 rs_output, pending = exchange_chunks(
-                    rs_input, group, stream, comm, custom, what, self
+                    rs_input, group, stream, comm, custom, what, record, issued, block
                 )
             else:
                 if custom is not None:
                     rs_output = custom.allocate((numel,), dtype=reduce_dtype, device=self.device)
                 else:
                     rs_output = torch.empty(numel, dtype=reduce_dtype, device=self.device)
-                what = f"reduce-scatter of the gradients of {self.where}"
-                record = comm.before_collective(what, rs_input.numel(), group, self)
+                check = summed_block_check(issued, rs_output, block, comm.groups)
                 op = ReduceOp.AVG if averaged else ReduceOp.SUM
                 pending = reduce_scatter_flat(
-                    rs_output, rs_input, group, stream, op, custom, what, record
+                    rs_output, rs_input, group, stream, op, custom, what, record, check
                 )
         # [Note: reduce-scatter input lifetime]: a collective issued with a Work (CPU
         # backends) keeps alive every tensor its backend still reads, so ours can go now.
         kept_input = rs_input if pending.work is None else None
         del rs_input
         in_flight = ReduceInFlight(
-            self, kept_input, rs_output, pending, has_grad, positions, averaged, accumulate_dtype
+            self,
+            kept_input,
+            rs_output,
+            pending,
+            has_grad,
+            positions,
+            averaged,
+            accumulate_dtype,
+            block,
         )
         comm.reduces.append(in_flight)
 
@@ -194,6 +205,7 @@ class GradientReduction(GradientPacking):
                 in_flight.averaged,
                 predivide,
                 plan,
+                in_flight.block,
             )
             if summed is None:
                 return  # accumulated locally until the next step that all-reduces
@@ -281,84 +293,6 @@ class GradientReduction(GradientPacking):
             ]
             start = stop
         return shards
-
-    def _all_reduce_replicas(
-        self,
-        output: torch.Tensor,
-        positions: tuple[int, ...],
-        replicate_group: ProcessGroup,
-        reduce_scatter: PendingCollective,
-        averaged: bool,
-        predivide: float,
-        plan: ReductionPlan,
-    ) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-        """HSDP: sum the reduce-scattered shard (the gradients of the parameters at
-        ``positions``, then their flags) over replicas, or keep it for later when
-        ``requires_all_reduce`` is off. Returns the summed output and the positions it
-        covers; ``None`` means nothing to assign yet.
-
-        On an accelerator the all-reduce waits only for ``reduce_scatter`` (the event of
-        the collective that produced ``output``), not for the compute stream: by now that
-        stream holds the next blocks' backward, and waiting for it would leave the
-        all-reduce no compute to overlap. Only partial sums added here (on the compute
-        stream) make it wait for the compute stream."""
-        kept = self._partial_reduce
-        self._partial_reduce = None
-        written_on_compute = kept is not None
-        # What the reduce-scatter divided by: its group's size (AVG), or the pre-division.
-        divided_by = float(self.world_size) if averaged else predivide
-        if kept is not None:
-            partial, partial_positions, partial_divided_by = kept
-            if partial_divided_by != divided_by:  # the divisor switches changed in between
-                partial = partial * (partial_divided_by / divided_by)
-            if partial_positions != positions or partial.dtype != output.dtype:
-                # See [Note: partial sums across changing layouts].
-                dtype = torch.promote_types(partial.dtype, output.dtype)
-                partial = self._whole_group_layout(partial, partial_positions, dtype)
-                output = self._whole_group_layout(output, positions, dtype)
-                positions = tuple(range(len(self.params)))
-            output.add_(partial)
-        if not self.requires_all_reduce:
-            self._partial_reduce = (output, positions, divided_by)
-            return None
-        comm = self._require_comm()
-        stream = comm.streams.all_reduce
-        if written_on_compute:
-            wait_stream(stream, comm.streams.compute())
-        else:  # waited for on the CPU already (``finish_reduce``): the event only
-            wait_event(stream, reduce_scatter.event)
-        if plan.accumulate_dtype is not None:  # see [Note: replicas under a reduce policy]
-            what = f"the gradients of {self.where} over replicas"
-            output, pending = sum_over_replicas(
-                output, replicate_group, self.replicate_size, plan, stream, comm, what, self
-            )
-        else:
-            what = f"all-reduce of the gradients of {self.where}"
-            record = comm.before_collective(what, output.numel(), replicate_group, self)
-            op = ReduceOp.AVG if averaged else ReduceOp.SUM
-            pending = all_reduce_flat(output, replicate_group, stream, op, what, record)
-        wait(pending, comm.streams.compute())
-        return output, positions
-
-    def _whole_group_layout(
-        self, output: torch.Tensor, positions: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``output`` (the gradient shards of the parameters at ``positions``, then their
-        flags) laid out for every parameter of the group, zeros where it had none, in
-        ``dtype``."""
-        n = len(self.params)
-        if positions == tuple(range(n)) and output.dtype == dtype:
-            return output
-        offsets = self._packed_offsets(positions)
-        whole_numel = sum(self._reduce_sizes)
-        whole = torch.zeros(
-            whole_numel + self.flag_numel(n, dtype), dtype=dtype, device=output.device
-        )
-        for j, i in enumerate(positions):
-            at, size = self.params[i].offset, self._reduce_sizes[i]
-            whole[at : at + size].copy_(output[offsets[j] : offsets[j + 1]])
-            whole[whole_numel + i] = output[offsets[-1] + j]
-        return whole
 
     def averages_in_collectives(self, reduce_dtype: torch.dtype) -> bool:
         """Whether the reduce-scatter (and HSDP's all-reduce) average (``ReduceOp.AVG``),

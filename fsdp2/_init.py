@@ -40,7 +40,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from fsdp2._comm_context import finish_all_reductions, order_step_after_all_gathers
+from fsdp2._comm_context import (
+    finish_all_reductions,
+    order_step_after_all_gathers,
+    refuse_step_over_failed,
+)
+from fsdp2._fingerprints import settle as settle_fingerprints
 from fsdp2._param import UNSHARDED_ATTR, UnevenShardError, Use
 from fsdp2._spmd import SpmdMesh, resolve_spmd_mesh
 from fsdp2._state import fsdp_state_of
@@ -402,6 +407,8 @@ def mark_replaced(originals: Iterable[tuple[nn.Parameter, str]], label: str) -> 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     finish_all_reductions()  # left in flight by set_is_last_backward(False)
+    refuse_step_over_failed(optimizer.param_groups)  # a model whose step raised, not reset
+    settle_fingerprints()  # accelerators: [Note: in-band fingerprints] in _fingerprints
     # An unshard(async_op=True) nothing consumed may still read the shards it steps.
     order_step_after_all_gathers(p for group in optimizer.param_groups for p in group["params"])
     release_graph_holds()  # see [Note: backward that builds a graph]

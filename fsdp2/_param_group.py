@@ -12,8 +12,9 @@ autograd] in ``_param``):
   copies into ``unsharded_flat``. A group with a single parameter has identical rank-major
   and param-major layouts, so it gathers straight into ``unsharded_flat`` with no copy.
 
-Gradients go the other way in ``_grad_reduce`` (``GradientReduction``, which
-``ParamGroup`` mixes in). Per-step work in both is per group: one collective per
+The all-gather and its copy-out are ``_all_gather``'s (``GroupAllGather``); gradients go
+the other way in ``_grad_reduce`` (``GradientReduction``); ``ParamGroup`` mixes in both
+and owns the layout and buffers. Per-step work in both is per group: one collective per
 direction, one fused copy-out, one fused reduce-scatter copy-in (``torch._chunk_cat``, or
 ``torch.cat`` when it must also cast). The loops over parameters that remain touch only Python attributes (registering
 tensors on modules, reading ``.grad``); the one per-parameter kernel left is padding an
@@ -42,18 +43,6 @@ norm or router inside a bf16 block) and keep one collective per direction:
   cast per run of equal dtypes (at most one per dtype and trainable/frozen class), not one
   per parameter.
 
-[Note: groups with extensions]
-A group whose parameters include all-gather extensions (see ``_extensions``) keeps one
-all-gather, but its input can no longer be the flat shard as is: the hooks produce their
-inputs at each unshard. The message is ``uint8``: each plain parameter's padded slot (cast
-to ``param_dtype`` where set), then each extension's inputs, in parameter order, written
-into this rank's slot of the output by one ``torch.cat`` (a copy-in, as torch makes for
-every group). The copy-out is the same one ``split_with_sizes_copy`` into byte views of
-the plain parameters' unsharded slots and of the extensions' persistent outputs, after
-which each extension's ``fsdp_post_all_gather`` builds or refills its unsharded parameter.
-Subclass parameters (``ShardedParam.apart``) have no slot in the flat shard; parameters
-whose plain local tensor got hooks keep theirs. Groups without extensions are unchanged.
-
 [Note: aligned unsharded parameters]
 Every unsharded parameter starts at a multiple of ``UNSHARDED_ALIGN_BYTES`` (256) of the
 unsharded buffer (whose own start the allocator aligns). Packed back to back at
@@ -72,32 +61,19 @@ there are no gaps.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from fsdp2._collectives import (
-    PendingCollective,
-    all_gather_flat,
-    min_and_max,
-    wait,
-)
+from fsdp2._all_gather import AllGatherInFlight, GroupAllGather, new_flat_shard
 from fsdp2._comm_context import CommContext
-from fsdp2._comm_records import Phase
-from fsdp2._extensions import has_gather_extension, shard_mesh
+from fsdp2._extensions import has_gather_extension
 from fsdp2._grad_reduce import GradientReduction
 from fsdp2._param import ShardedParam
 from fsdp2._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp2._stream_utils import (
-    Event,
-    Stream,
-    record_event,
-    use_stream,
-    wait_event,
-    wait_stream,
-)
+from fsdp2._stream_utils import Event, Stream, record_event
 from fsdp2._unsharded_upkeep import (
     GraphHoldOwner,
     ShardedState,
@@ -106,17 +82,7 @@ from fsdp2._unsharded_upkeep import (
 )
 
 
-class AllGatherInFlight(NamedTuple):
-    input: torch.Tensor  # the flat shard, or its cast/device copy (kept alive until done)
-    output: torch.Tensor  # 1-D, world_size * S, rank-major
-    pending: PendingCollective
-    from_post_forward: bool  # gathered within the post-forward group (int reshard)
-    # Into the unsharded buffer itself (no copy-out); False with a custom all-gather,
-    # whose own buffer is copied out.
-    in_place: bool
-
-
-class ParamGroup(GradientReduction, UnshardedUpkeep):
+class ParamGroup(GroupAllGather, GradientReduction, UnshardedUpkeep):
     """Parameters communicated together; see the module docstring for the buffers."""
 
     def __init__(
@@ -300,10 +266,9 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         self.unsharded_numel = max(ws * self.gather_numel, last)
 
     def _new_flat_shard(self, device: torch.device) -> torch.Tensor:
-        flat = torch.zeros(self.shard_numel, dtype=self.shard_dtype, device=device)
-        if self.pin_memory and device.type == "cpu" and torch.cuda.is_available():
-            flat = flat.pin_memory()  # lets host-to-device copies run asynchronously
-        return flat
+        # Pinned: lets host-to-device copies run asynchronously.
+        pin = self.pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        return new_flat_shard(self.shard_numel, self.shard_dtype, device, pin=pin)
 
     @outside_transforms
     def lazy_init(self, comm: CommContext, module_names: Mapping[int, str] | None = None) -> None:
@@ -312,12 +277,13 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         self.comm = comm
         self._module_names = module_names or {}
         self.ensure_shards_bound(complete=True)
-        # The unsharded buffer is its all-gather output plus the alignment gaps, and the
-        # reduce-scatter input that plus the flags: one pooled buffer serves all three.
+        # The unsharded buffer is its all-gather output plus the alignment gaps (minus
+        # fingerprint tails), and the reduce-scatter input that plus the flags and a
+        # fingerprint block: one pooled buffer serves all three.
         gap_bytes = (self.unsharded_numel - self.world_size * self.gather_numel) * (
             self.gather_dtype.itemsize
         )
-        comm.host_buffers.allow_slack(self.reduce_flag_bytes + gap_bytes)
+        comm.host_buffers.allow_slack(self.reduce_flag_bytes + gap_bytes + self.tail_bytes)
         if self.flat_shard.device.type == "meta":
             raise self._meta_error([self._root_fqn(p) for p in self.params], [])
         self._check_offloaded_shards_on_cpu()
@@ -491,202 +457,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 p.unsharded_param = None  # rebuilt by the new all-gather path
         return changed
 
-    # -- unshard / reshard -----------------------------------------------------------------
-    @outside_transforms
-    def unshard(self, *, after_compute: bool = False, phase: Phase = Phase.FORWARD) -> None:
-        """Issue this group's all-gather on the all-gather stream (no-op if unsharded or
-        already in flight). Call ``wait_for_unshard`` before using the parameters.
-
-        ``after_compute``: order the all-gather after everything queued on the compute
-        stream so far. The root's pre-forward does this once per step (the optimizer
-        wrote the shards there); an ``unshard()`` called outside that window, e.g. right
-        after ``optimizer.step()``, needs it too, or on an accelerator it could gather
-        shards the optimizer has not finished writing.
-        """
-        if self.is_unsharded or self._all_gather is not None:
-            return
-        if self.kept_for_graph and self.reuse_kept():  # see [Note: backward that builds a graph]
-            return
-        comm = self._require_comm()
-        stream = comm.streams.all_gather
-        post_forward = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
-        if after_compute:
-            wait_stream(stream, comm.streams.compute())
-        with use_stream(stream):
-            # Memory released by the compute stream may be reused only after it is done.
-            wait_event(stream, comm.all_gathers_after)
-            custom = self.custom_all_gather
-            in_place = self._gather_in_place and custom is None
-            if post_forward:
-                output = self._all_gather_output(in_place)
-                ag_input, group = self._require_post_forward_shard(), self.post_forward_group
-                wait_event(stream, self._post_forward_ready)  # written on the compute stream
-                self._post_forward_shard = self._post_forward_ready = None
-            else:
-                for p in self._tied:
-                    p.refresh_tied(self.flat_shard)
-                self._gathered_from = self._shard_version()
-                group = self.process_group
-                if self.extensions:
-                    output, ag_input = self._extension_all_gather_buffers()
-                else:
-                    output = self._all_gather_output(in_place)
-                    ag_input = self._all_gather_input(output)
-            if self.world_size == 1:
-                # One rank holds whole parameters: no collective (torch issues none either).
-                # It gathers in place, so at most the shard is copied into the output.
-                if ag_input.data_ptr() != output.data_ptr():
-                    output.copy_(ag_input, non_blocking=True)
-                pending = PendingCollective(None, record_event(stream))
-            else:
-                what = f"all-gather of {self.where}"
-                record = comm.before_collective(what, output.numel(), group, self, phase)
-                pending = all_gather_flat(output, ag_input, group, stream, custom, what, record)
-        self._all_gather = AllGatherInFlight(ag_input, output, pending, post_forward, in_place)
-        comm.all_gathers_in_flight[self] = pending
-
-    def _all_gather_output(self, in_place: bool) -> torch.Tensor:
-        """The rank-major all-gather output: the unsharded buffer itself (in place), a
-        custom all-gather's buffer, or a pooled one."""
-        if in_place:
-            self._alloc_unsharded()
-            return self._unsharded_write
-        return self._gather_buffer(self.world_size * self.gather_numel, self.gather_dtype)
-
-    def _gather_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new all-gather output: a custom all-gather's buffer, or a pooled one."""
-        if self.custom_all_gather is not None:
-            return self.custom_all_gather.allocate((numel,), dtype=dtype, device=self.device)
-        return self._require_comm().host_buffers.empty(numel, dtype, self.device)
-
-    def _extension_all_gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The all-gather output and input of a group with extensions: one ``uint8``
-        message per rank, each plain parameter's padded shard (cast to ``param_dtype``)
-        then each extension's inputs, in parameter order, written into this rank's slot of
-        the output; see [Note: groups with extensions]."""
-        if self._extension_mesh is None:
-            self._extension_mesh = shard_mesh(self.mesh, self.process_group)
-        pieces: list[torch.Tensor] = []
-        for p in self.params:
-            if p.extension is not None:
-                pieces += p.gather_inputs(self._extension_mesh, self.mp_policy, self.device)
-            else:
-                slot = p.shard_slot(self.flat_shard)
-                dtype = self.mp_policy.param_dtype or p.dtype
-                pieces.append(slot.to(self.device, dtype, non_blocking=True))
-        message = [piece.reshape(-1).view(torch.uint8) for piece in pieces]
-        nbytes = sum(m.numel() for m in message)
-        if not self._message_checked:
-            self._check_message_size(nbytes)
-        output = self._gather_buffer(self.world_size * nbytes, torch.uint8)
-        slot = output[self.shard_rank * nbytes : (self.shard_rank + 1) * nbytes]
-        return output, torch.cat(message, out=slot)
-
-    def _check_message_size(self, nbytes: int) -> None:
-        """At a layout's first all-gather, check that every rank sends as many bytes: the
-        hooks decide the sizes, and a rank sending another size would hang the others in
-        the collective. Later all-gathers must repeat the layout (``GatherExtension``)."""
-        if self.world_size > 1:
-            low, high = min_and_max(nbytes, self.process_group, self.device)
-            if low != high:
-                inputs = "; ".join(
-                    f"'{p.fqn}': {[tuple(shape) for shape, _ in p.extension.input_layout]}"
-                    for p in self.extensions
-                    if p.extension is not None
-                )
-                raise RuntimeError(
-                    f"fully_shard: {self.label}: ranks send all-gather messages of "
-                    f"{low} to {high} bytes (this rank: {nbytes}); fsdp_pre_all_gather "
-                    f"must return inputs of the same shapes and dtypes on every rank (for "
-                    f"unevenly sharded parameters, the padded shard's shape). Inputs on "
-                    f"this rank: {inputs}"
-                )
-        self._message_checked = True
-
-    def _extension_targets(self) -> list[torch.Tensor]:
-        """Copy-out targets of a group with extensions, as ``uint8`` views in message
-        order: plain parameters' unsharded slots, extensions' persistent outputs."""
-        targets: list[torch.Tensor] = []
-        for p in self.params:
-            if p.extension is not None:
-                targets += p.extension.alloc_outputs(self.world_size, self.device)
-            else:
-                targets.append(self._byte_targets[id(p)])
-        return targets
-
-    def _all_gather_input(self, output: torch.Tensor) -> torch.Tensor:
-        """The flat shard itself when it is already in the gathered dtype and on the
-        compute device (no copy-in). Otherwise one fused cast (mixed precision) or
-        host-to-device copy (offload) written straight into this rank's slot of the
-        all-gather ``output`` (an in-place all-gather), so no separate input buffer lives
-        while the collective runs."""
-        flat = self.flat_shard
-        if flat.dtype == self.gather_dtype and flat.device == self.device:
-            return flat
-        n = self.gather_numel
-        slot = output[self.shard_rank * n : (self.shard_rank + 1) * n]
-        if not self.mixed or self.gather_dtype == torch.uint8:
-            return slot.copy_(flat, non_blocking=True)
-        # Mixed dtypes gathered in param_dtype: one cat casts every typed slot at once.
-        source = flat.to(self.device, non_blocking=True)
-        return torch.cat([p.shard_slot(source) for p in self.params], out=slot)
-
-    def sharded_params(self) -> list[torch.Tensor]:
-        """The sharded ``DTensor`` parameters an optimizer steps (what an all-gather reads)."""
-        return [p.sharded_param for p in self.params]
-
-    @outside_transforms
-    def wait_for_unshard(self) -> None:
-        """Wait for the in-flight all-gather, fill the unsharded parameters and register
-        them on the modules."""
-        in_flight = self._all_gather
-        if in_flight is None:
-            return
-        self._all_gather = None
-        comm = self._require_comm()
-        comm.all_gathers_in_flight.pop(self, None)
-        compute = comm.streams.compute()
-        wait(in_flight.pending, compute)
-        if self._gather_in_place and not in_flight.in_place:
-            # A custom all-gather's buffer, rank-major like the unsharded buffer here
-            # (also for the post-forward group's gather): one copy.
-            self._alloc_unsharded()
-            self._unsharded_write.copy_(in_flight.output.view(self._unsharded_write.shape))
-            comm.order_all_gathers_after_compute()
-        elif not in_flight.in_place:
-            self._alloc_unsharded()
-            if in_flight.from_post_forward:
-                ranks, targets = self.post_forward_size, self._post_forward_targets
-                sizes = [t[0].numel() for t in targets]
-            elif self.extensions:
-                ranks, targets = self.world_size, self._extension_targets()
-                sizes = [t[0].numel() for t in targets]
-            else:
-                ranks, targets, sizes = self.world_size, self._copy_out_targets, self._gather_sizes
-            output = in_flight.output.view(ranks, -1)
-            if self._strided_copy_out:
-                sources = torch.split(output, sizes, dim=1)
-                torch._foreach_copy_(targets, [s.view(t.shape) for s, t in zip(sources, targets)])
-            else:
-                torch.split_with_sizes_copy(output, sizes, dim=1, out=targets)
-            del output
-            # The all-gather output (all-gather-stream memory) dies with ``in_flight``.
-            comm.order_all_gathers_after_compute()
-            if self.custom_all_gather is None:
-                comm.host_buffers.release(in_flight.output)
-        if self.extensions and not in_flight.from_post_forward:
-            for p in self.extensions:
-                p.finish_gather(self.mp_policy.param_dtype or p.dtype)
-        record = in_flight.pending.record
-        if record is not None:  # a schedule recorder: [Note: schedule records]
-            record.recorder.consumed(record)
-        self.sharded_state = ShardedState.UNSHARDED
-        # Extension parameters are rebuilt by their hooks, not views of the buffer.
-        watched = None if self.extensions else self._require_unsharded_flat()
-        self._unsharded_version = None if watched is None else watched._version
-        for p in self.params:
-            p.register_unsharded()
-
+    # -- reshard (unshard: ``GroupAllGather``) -----------------------------------------------
     @outside_transforms
     def reshard(self, *, post_forward: bool = False, in_hook: bool = False) -> None:
         """Register the sharded parameters again and free the unsharded buffer. With
@@ -712,7 +483,7 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
         if keep_partial:
             index = self._post_forward_index
             chunks = [t[index].reshape(-1) for t in self._post_forward_targets]
-            self._post_forward_shard = torch.cat(chunks)
+            self._post_forward_shard = self._post_forward_message(chunks)
             self._post_forward_ready = record_event(self._require_comm().streams.compute())
         for p in self.params:
             if not in_hook:
@@ -748,14 +519,6 @@ class ParamGroup(GradientReduction, UnshardedUpkeep):
                 f"{self.label}: no unsharded buffer (used before lazy initialization)"
             )
         return self.unsharded_flat
-
-    def _require_post_forward_shard(self) -> torch.Tensor:
-        if self._post_forward_shard is None:
-            raise RuntimeError(
-                f"{self.label}: resharded after forward (reshard_after_forward=int) but "
-                f"holds no post-forward shard to all-gather"
-            )
-        return self._post_forward_shard
 
 
 # See [Note: aligned unsharded parameters].

@@ -71,10 +71,22 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from fsdp2._collectives import PendingCollective, all_gather_flat, all_to_all_flat, wait
 from fsdp2._comm_context import CommContext
 from fsdp2._comm_records import CollectiveRecord
+from fsdp2._divergence import Issued, checks_enabled
+from fsdp2._fingerprints import (
+    ExchangedBlocks,
+    FingerprintCheck,
+    GatheredTails,
+    block_numel,
+    block_tensor,
+    tail_numel,
+    tailed_numel,
+    write_tail,
+)
 from fsdp2._policies import ReducePolicy, check_accumulates
 from fsdp2._stream_utils import Stream, record_event, use_stream
 
@@ -121,21 +133,28 @@ def exchange_chunks(
     comm: CommContext,
     custom: Any,
     what: str,
-    owner: object = None,
+    record: CollectiveRecord | None = None,
+    issued: Issued | None = None,
+    block: int = 0,
 ) -> tuple[torch.Tensor, PendingCollective]:
     """Issue the all-to-all of ``chunks`` (the reduce input: one chunk per rank,
     rank-major). Returns the buffer that receives every rank's chunk for this rank (the
     same size, rank-major) and the collective. Call it with ``stream`` current, so the
     buffer belongs to that stream. ``custom``: the group's backend allocator
     (``set_allocate_memory_from_process_group_for_comm``), or None for pooled memory.
-    ``owner``: the parameter group, for a schedule recorder ([Note: schedule records])."""
+    ``record``/``issued``: from ``CommContext.before_collective``; with ``block``, each
+    chunk ends with its sender's fingerprint block, checked per sender ([Note: in-band
+    fingerprints] in ``_fingerprints``)."""
     numel = chunks.numel()
     if custom is not None:
         received = custom.allocate((numel,), dtype=chunks.dtype, device=chunks.device)
     else:
         received = comm.host_buffers.empty(numel, chunks.dtype, chunks.device)
-    record = comm.before_collective(what, numel, group, owner)
-    return received, _all_to_all(received, chunks, group, stream, what, record)
+    check = None
+    if issued is not None and block:
+        blocks = received.view(group.size(), -1)[:, -block:]
+        check = ExchangedBlocks(issued, blocks, comm.groups)
+    return received, _all_to_all(received, chunks, group, stream, what, record, check)
 
 
 def sum_exchanged(
@@ -173,30 +192,67 @@ def sum_over_replicas(
     """HSDP under a policy that exchanges: ``partial`` (this replica's sums, in the
     accumulate dtype) summed over the ``replicas`` ranks of ``group`` in replica order;
     see [Note: replicas under a reduce policy]. Runs on ``stream``, which must already be
-    ordered after ``partial``. Returns the sums and the pending all-gather that makes them."""
+    ordered after ``partial``. Returns the sums and an event after them, on ``stream``.
+    With divergence checks on, each piece of the all-to-all ends with a fingerprint
+    block and each rank's piece of the all-gather with a tail ([Note: in-band
+    fingerprints] in ``_fingerprints``)."""
     dtype = plan.accumulate_dtype
     if dtype is None:
         raise AssertionError("sum_over_replicas needs a plan with an accumulate dtype")
     numel = partial.numel()
     piece = -(-numel // replicas)
+    checked = checks_enabled()
+    block = block_numel(plan.comm_dtype) if checked else 0
+    named = f"all-to-all of {what}"
     with use_stream(stream):
-        outgoing = torch.empty(replicas * piece, dtype=plan.comm_dtype, device=partial.device)
-        outgoing[:numel].copy_(partial)
-        outgoing[numel:].zero_()
+        record, issued = comm.before_collective(named, replicas * (piece + block), group, owner)
+        outgoing = torch.empty(
+            replicas, piece + block, dtype=plan.comm_dtype, device=partial.device
+        )
+        if block:
+            padded = F.pad(partial, (0, replicas * piece - numel))
+            outgoing[:, :piece].copy_(padded.view(replicas, piece))
+            fingerprint = None if issued is None else issued.fingerprint
+            values = block_tensor(fingerprint, block, plan.comm_dtype, partial.device)
+            outgoing[:, piece:].copy_(values)
+        else:
+            outgoing.view(-1)[:numel].copy_(partial)
+            outgoing.view(-1)[numel:].zero_()
+        check: FingerprintCheck | None = None
         incoming = torch.empty_like(outgoing)
-        named = f"all-to-all of {what}"
-        record = comm.before_collective(named, outgoing.numel(), group, owner)
-        exchanged = _all_to_all(incoming, outgoing, group, stream, named, record)
+        if issued is not None and block:
+            check = ExchangedBlocks(issued, incoming[:, piece:], comm.groups)
+        exchanged = _all_to_all(
+            incoming.view(-1), outgoing.view(-1), group, stream, named, record, check
+        )
     wait(exchanged, stream)
     with use_stream(stream):
-        mine = accumulate_in_rank_order(incoming.view(replicas, piece), dtype)
+        mine = accumulate_in_rank_order(incoming[:, :piece], dtype)
         del outgoing, incoming  # done with: the collective was waited for
-        gathered = torch.empty(replicas * piece, dtype=dtype, device=partial.device)
-        summed = gathered[:numel]  # a view, taken on the stream the buffer belongs to
+        row = tailed_numel(piece, dtype) if checked else piece
         named = f"all-gather of {what}"
-        record = comm.before_collective(named, gathered.numel(), group, owner)
-        pending = all_gather_flat(gathered, mine, group, stream, what=named, record=record)
-    return summed, pending
+        record, issued = comm.before_collective(named, replicas * row, group, owner)
+        if row != piece:
+            sent = torch.empty(row, dtype=dtype, device=partial.device)
+            sent[:piece].copy_(mine)
+            mine = sent
+        gathered = torch.empty(replicas, row, dtype=dtype, device=partial.device)
+        check = None
+        if issued is not None and row != piece:
+            unit = tail_numel(dtype)
+            write_tail(mine[row - unit :], issued.fingerprint)
+            check = GatheredTails(
+                issued, gathered[:, row - unit :].view(torch.float64), comm.groups
+            )
+        pending = all_gather_flat(
+            gathered.view(-1), mine, group, stream, what=named, record=record, check=check
+        )
+    if row == piece:
+        return gathered.view(-1)[:numel], pending
+    wait(pending._replace(record=None), stream)  # the consumer's wait is recorded
+    with use_stream(stream):  # every replica's piece, without the tails
+        summed = gathered[:, :piece].reshape(-1)[:numel]
+    return summed, PendingCollective(None, record_event(stream), named, pending.record)
 
 
 def _all_to_all(
@@ -206,11 +262,12 @@ def _all_to_all(
     stream: Stream,
     what: str,
     record: CollectiveRecord | None = None,
+    check: FingerprintCheck | None = None,
 ) -> PendingCollective:
     """``all_to_all_flat``, with a clear error where the backend has no all-to-all (every
     rank's backend refuses it at the issue, so all raise together and none hangs)."""
     try:
-        return all_to_all_flat(output, input, group, stream, what, record)
+        return all_to_all_flat(output, input, group, stream, what, record, check)
     except (RuntimeError, NotImplementedError) as error:
         if not _lacks_all_to_all(error):
             raise

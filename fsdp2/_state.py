@@ -34,6 +34,7 @@ from fsdp2._backward_hooks import (
 from fsdp2._backward_nodes import EagerPostBackward, ForwardCall, PostBackward
 from fsdp2._comm_context import CommContext
 from fsdp2._comm_records import Phase
+from fsdp2._divergence import checks_enabled, require_stores
 from fsdp2._module_io import cast_floating, map_tensors, tensors_in
 from fsdp2._param import refuse_plain_values
 from fsdp2._param_group import ParamGroup
@@ -367,7 +368,13 @@ class FSDPState(BackwardHooks):
                     group.comm = tree.comm  # initialized under a submodule's unshard() already
                 else:
                     group.lazy_init(tree.comm, names)
-        check_ranks_agree([group for state in states for group in state.groups])
+        groups = [group for state in states for group in state.groups]
+        check_ranks_agree(groups)
+        tree.comm.register_groups(groups)  # a fingerprint names a group by its number
+        if checks_enabled():  # reports go through the stores: [Note: named timeouts]
+            for group in groups:
+                used = (group.process_group, group.post_forward_group, group.replicate_group)
+                require_stores(used, f"collectives of {group.where}")
         for observe in tree_observers:  # e.g. a schedule trace attaching its recorder
             observe(tree)
         return tree
@@ -565,8 +572,7 @@ class FSDPState(BackwardHooks):
             raise AssertionError("root pre-forward before lazy init")
         tree.started = True
         logger.debug("FSDP::root_pre_forward")
-        if tree.comm.recorder is not None:
-            tree.comm.root_forward_begins(self)
+        tree.comm.root_forward_begins(self)
         tree.last_forward_started = None
         tree.forward_prefetched.clear()
         # A step starts a fresh forward order, unless an earlier forward's backward is

@@ -69,6 +69,17 @@ def record_event(stream: Stream) -> Event:
     return None if stream is None else stream.record_event()
 
 
+def queryable_event(stream: Stream, device: torch.device) -> Event:
+    """An event recorded on ``stream`` that the host can ``query()`` and ``synchronize()``
+    (None on the CPU)."""
+    module = device_module(device)
+    if module is None or stream is None:
+        return None
+    event = module.Event()
+    event.record(stream)
+    return event
+
+
 def wait_event(stream: Stream, event: Event) -> None:
     """Make future work on ``stream`` wait for ``event`` without blocking the CPU."""
     if stream is not None and event is not None:

@@ -208,6 +208,8 @@ class _Recorder:
         self.final: _Window | None = None
         self.optimizer: list[_Window] = []
         self.order = 0  # see ``_Collective.order``
+        # The context counts steps from its first forward; the trace from its own first.
+        self.first_step = comm.upcoming_step
 
     # -- set-up --------------------------------------------------------------------------
     def add_tree(self, tree: TreeContext) -> None:
@@ -240,7 +242,12 @@ class _Recorder:
 
     def _end(self, window: _Window, aborted: bool = False) -> None:
         window.end, window.end_order, window.aborted = self._now(), self._next(), aborted
-        self._step(self.comm.step).windows.append(window)
+        self._step(self._index(self.comm.step)).windows.append(window)
+
+    def _index(self, step: int) -> int:
+        """The trace's number of the context's ``step`` (counted from the first step the
+        trace sees, which is 0)."""
+        return max(0, step - self.first_step)
 
     def _step(self, index: int, begin: Any = None) -> _Step:
         step = self.steps.get(index)
@@ -268,7 +275,7 @@ class _Recorder:
         )
         data.comm_begin = data.issue_ns if stream is None else self.clock.stamp(stream)
         record.data = data
-        self._step(record.step).collectives.append(data)
+        self._step(self._index(record.step)).collectives.append(data)
 
     def issued(self, record: CollectiveRecord, stream: Any, work: Any) -> None:
         data = record.data
@@ -322,7 +329,7 @@ class _Recorder:
             return
         name = getattr(state, "fqn", "") or "(root)"
         self.open[key] = self._window(phase.value, name, root=getattr(state, "is_root", False))
-        self._step(self.comm.step)
+        self._step(self._index(self.comm.step))
 
     def compute_ends(self, state: Any, phase: Phase) -> None:
         window = self.open.pop((id(state), phase), None)
@@ -337,6 +344,7 @@ class _Recorder:
         if id(root) not in self.states:
             return
         self._close_open(None, aborted=True)  # a forward that never finished (no reset)
+        step = self._index(step)
         fresh = step not in self.steps
         self._step(step)
         if fresh:
@@ -358,7 +366,7 @@ class _Recorder:
     def reset(self) -> None:
         self._close_open(None, aborted=True)
         self.final_wait_ends()
-        self._step(self.comm.step).aborted = True
+        self._step(self._index(self.comm.step)).aborted = True
 
     # -- optimizer steps (the trace's optimizer hooks) ------------------------------------
     def optimizer_begins(self, name: str) -> None:

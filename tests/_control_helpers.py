@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from _helpers import deterministic_init, full, get_fsdp_module_cls, get_fully_shard, make_mesh
 from torch import nn
 
+from fsdp2._fingerprints import tailed_numel
+
 IN_DIM = 6
 DIM = 16
 HIDDENS = (8, 10, 12, 14)
@@ -186,8 +188,9 @@ class Call:
 
 
 # fsdp2 appends one flag per parameter to each rank's reduce-scatter chunk, zero-padded to a
-# multiple of 64 bytes ([Note: padded gradient flags]); groups in these tests have far fewer
-# parameters than this, and sizes far further apart.
+# multiple of 64 bytes ([Note: padded gradient flags]), then (divergence checks on) a 64-byte
+# fingerprint block; groups in these tests have far fewer parameters than this, and sizes
+# far further apart.
 MAX_FLAGS = 64
 FLAG_ALIGN_BYTES = 64
 
@@ -234,6 +237,12 @@ class CollectiveLog:
             out, inp = values[0], values[1]  # (output, input) for all four functions
             # The group is named by the all-gather input / reduce-scatter output size.
             key = inp.numel() if kind == "AG" else out.numel()
+            if kind == "AG" and key not in self.numel_to_group:
+                # fsdp2's divergence checks end each rank's slot with a 16-byte tail
+                # ([Note: in-band fingerprints] in fsdp2/_fingerprints.py).
+                key = next(
+                    (n for n in self.numel_to_group if tailed_numel(n, inp.dtype) == key), key
+                )
             flags = 0
             if kind == "RS" and key not in self.numel_to_group:
                 # A flags region is a whole number of 64-byte blocks.

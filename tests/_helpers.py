@@ -20,10 +20,12 @@ Parity contract (what ``run_parity`` checks):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import importlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +106,20 @@ def make_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+@contextlib.contextmanager
+def divergence_checks(enabled: bool) -> Iterator[None]:
+    """fsdp2's divergence checks on or off for the block (the switch is per process, and
+    the launcher's rank processes serve many tests: restored afterwards)."""
+    import fsdp2._divergence as divergence
+
+    before = divergence.checks_enabled()
+    divergence.set_divergence_checks(enabled)
+    try:
+        yield
+    finally:
+        divergence._enabled = before  # also after a failed step, which the switch refuses
 
 
 def is_dtensor(t: Any) -> bool:

@@ -404,3 +404,27 @@ def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
         assert set(result[what]) == set(optimizer.VARIANTS), result[what]
     assert set(result["clip"]) == {"fsdp2", "torch", "plain"}
     assert json.loads((tmp_path / "optimizer.json").read_text())["world_size"] == 2
+
+
+def test_divergence_benchmark(tmp_path: Path) -> None:
+    """``benchmarks/divergence.py`` (the divergence checks on and off, and torch, in the
+    same rounds): the checks issue the same collectives, each rank's all-gather message
+    grows by its 16-byte tail (with the padding before it, at most 31 bytes) and each
+    reduce-scatter chunk by its 64-byte block, and the timings are reported."""
+    from benchmarks import divergence
+
+    out = tmp_path / "d.json"
+    argv = ["--config", "small-many", "--layers", "2", "--dim", "32", "--seq", "16",
+            "--fake-world-size", "4", "--rounds", "2", "--warmup", "1", "--inside-steps", "1",
+            "--json", str(out)]  # fmt: skip
+    assert divergence.main(argv) == 0
+    (rank,) = json.loads(out.read_text())["ranks"]
+    sent = rank["bytes"]
+    assert "error" not in sent, sent
+    by_kind = sent["by_kind"]
+    # 2 blocks + the root: 3 forward and 2 backward all-gathers, 3 reduce-scatters.
+    assert (by_kind["all-gather"]["count"], by_kind["reduce-scatter"]["count"]) == (5, 3)
+    assert 16 <= by_kind["all-gather"]["max_added"] <= 31, by_kind
+    assert by_kind["reduce-scatter"]["max_added"] == 64, by_kind
+    assert sent["max_added_per_collective"] <= 64
+    assert rank["on/off"]["median"] > 0 and rank["checks_s_per_step"] > 0

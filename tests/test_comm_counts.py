@@ -22,6 +22,7 @@ import collections
 import copy
 
 import pytest
+import torch
 import torch.distributed as dist
 from _helpers import (
     IMPLS,
@@ -39,6 +40,8 @@ from _helpers import (
     require_impl,
 )
 from _launcher import run_ranks
+
+import fsdp2._fingerprints as fingerprints
 
 ALL_GATHERS = ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base")
@@ -400,7 +403,9 @@ def test_reduce_scatter_carries_only_the_trainable_parameters(freeze_after_shard
     theirs = run_ranks(train_with_frozen_weights, 2, "torch", freeze_after_shard, timeout=60)
     for report in ours + theirs:
         assert report["diff"] <= 1e-5, report
-    flags = 16  # one fp32 flag per reduced parameter, padded to 64 bytes
+    # One fp32 flag per reduced parameter, padded to 64 bytes, then the divergence checks'
+    # 64-byte fingerprint block ([Note: in-band fingerprints] in fsdp2/_fingerprints.py).
+    flags = 16 + fingerprints.block_numel(torch.float32)
     assert [s - flags for s in ours[0]["sizes"]] == theirs[0]["sizes"], (ours[0], theirs[0])
 
 

@@ -3,10 +3,12 @@
 issue, instead of mixing two modules' data or hanging (see
 [Note: ranks that run different paths] in ``fsdp2/_comm_context.py``).
 
-Without the debug switch the same runs hang (a rank waits for a collective no other rank
-issues) or make gloo abort the process, in fsdp2 as in torch's ``fully_shard``: those runs
-are not made here. Each rank function catches its own error and returns the message, so
-a rank that did not raise shows up as a wrong message, not as a timeout.
+Without the debug switch (and without fsdp2's divergence checks) the same runs mix data,
+hang or make gloo abort the process, in fsdp2 as in torch's ``fully_shard``; the
+divergence checks, on by default, are tested in ``tests/test_divergence.py``. Here the
+strict check runs first and raises before any collective pairs up wrongly. Each rank
+function catches its own error and returns the message, so a rank that did not raise
+shows up as a wrong message, not as a timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
 import fsdp2._collectives as collectives
+import fsdp2._fingerprints as fingerprints
 
 
 class Blocks(nn.Module):
@@ -92,8 +95,10 @@ def test_module_skipped_on_one_rank_is_named() -> None:
     messages = run_ranks(_rank_1_diverges, 2, {"skip": 2}, timeout=60)
     assert messages[0] == messages[1], messages
     assert "about to issue different collectives" in messages[0]
-    assert "rank 0: all-gather of blocks.2 (Linear), 72 elements" in messages[0]
-    assert "rank 1: all-gather of blocks.1 (Linear), 72 elements" in messages[0]
+    # 2 ranks x 36 elements, each slot with the divergence checks' 16-byte tail (4 fp32).
+    numel = 2 * fingerprints.tailed_numel(36, torch.float32)
+    assert f"rank 0: all-gather of blocks.2 (Linear), {numel} elements" in messages[0]
+    assert f"rank 1: all-gather of blocks.1 (Linear), {numel} elements" in messages[0]
     assert "ran different paths through the sharded modules" in messages[0]
 
 

@@ -33,6 +33,7 @@ from _helpers import (
 from _launcher import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
+import fsdp2._fingerprints as fingerprints
 from examples.llama import parallelize
 
 TOL = 1e-5
@@ -131,6 +132,11 @@ def _train(
     # Groups: each block, and the root with the rest. Each adds its padded flags per chunk.
     n_root = sum(1 for n, _ in model.named_parameters() if not n.startswith("layers."))
     group_sizes = [len(list(block.parameters())) for block in model.layers] + [n_root]
+    # Each group's elements per rank of the shard dim (padded shards), blocks then root.
+    w = mesh_shape[-1]
+    root_params = [p for n, p in ref.named_parameters() if not n.startswith("layers.")]
+    groups = [list(block.parameters()) for block in ref.layers] + [root_params]
+    shards = [sum(-(-p.shape[0] // w) * p[0].numel() for p in params) for params in groups]
     return {
         "worst": worst,
         "counts": per_step_logs,
@@ -140,6 +146,7 @@ def _train(
         "n_params": len(list(model.parameters())),
         "root_numel": root_numel,
         "flags": sum(flag_numel(n, torch.float32) for n in group_sizes),
+        "shards": shards,
     }
 
 
@@ -494,20 +501,30 @@ def test_communication_volume_matches_docs(mesh_shape: tuple[int, ...], reshard)
     """The per-step volumes docs/meshes.md gives, in elements of the full-size buffers
     (P: parameters; P_root: the root group's, never resharded with None; F: the "had a
     gradient" flags of every group in one rank chunk, each group's padded to 64 bytes:
-    3 groups of at most 16 fp32 parameters, F = 3 x 16 = 48)."""
+    3 groups of at most 16 fp32 parameters, F = 3 x 16 = 48; and the divergence checks'
+    fingerprints, T and B there)."""
     rep = run_ranks(_train, 4, "fsdp2", mesh_shape, reshard, 1, False)[0]
     P, P_root, vol, F = rep["numel"], rep["root_numel"], rep["volume"], rep["flags"]
     assert (P, P_root, rep["n_params"], F) == (30880, 4128, 21, 48)  # as docs/meshes.md says
     W = mesh_shape[-1]
+    # The divergence checks' fingerprints (docs/meshes.md): per rank's all-gather slot of
+    # m elements, a tail (T(m) elements with the padding); per reduction chunk, 16 fp32.
+    shards = rep["shards"]  # elements per rank of each group: blocks, then the root
+
+    def tails(ranks: int, groups: list[int]) -> int:
+        return sum(ranks * (fingerprints.tailed_numel(m, torch.float32) - m) for m in groups)
+
+    B = len(shards) * fingerprints.block_numel(torch.float32)
     resharded = {None: P - P_root, False: 0, 2: P}[reshard]
     if reshard == 2:
-        assert vol[("all_gather", 4)] == P  # forward, over all 4 ranks
-        assert vol[("all_gather", 2)] == P  # backward, within pairs
+        assert vol[("all_gather", 4)] == P + tails(4, shards)  # forward, over all 4 ranks
+        assert vol[("all_gather", 2)] == P + tails(2, [2 * m for m in shards])  # backward
     else:
-        assert vol[("all_gather", W)] == P + resharded
-    assert vol[("reduce_scatter", W)] == P + W * F
+        again = {None: shards[:-1], False: []}[reshard]
+        assert vol[("all_gather", W)] == P + resharded + tails(W, shards + again)
+    assert vol[("reduce_scatter", W)] == P + W * (F + B)
     if len(mesh_shape) == 2:
-        assert vol[("all_reduce", 2)] == P // W + F  # each rank all-reduces its shard
+        assert vol[("all_reduce", 2)] == P // W + F + B  # each rank all-reduces its shard
 
 
 def _tp_plan() -> dict:

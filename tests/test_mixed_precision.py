@@ -65,6 +65,8 @@ from test_grad_accumulation import exec_doc_example, first_python_block
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp2._fingerprints import block_numel, tailed_numel
+
 BF16, FP32 = torch.bfloat16, torch.float32
 STEPS = 3
 
@@ -274,14 +276,16 @@ def dtypes_and_sizes(impl: str, reduce_dtype: torch.dtype | None, output_dtype) 
                 {(str(p.dtype), str(p.to_local().dtype), is_dtensor(p)) for p in model.parameters()}
             )
     group_numel = {g: n for n, g in numels.items()}
+    # fsdp2's divergence checks end each rank's all-gather slot with a tail.
+    slot = {g: tailed_numel(n, BF16) if impl == "fsdp2" else n for g, n in group_numel.items()}
     report["forward_params"] = sorted({(name, str(dtype), dt) for name, dtype, dt in seen})
     report["ag"] = sorted(
         {
             (
                 str(c.in_dtype),
                 str(c.out_dtype),
-                c.in_bytes == 2 * group_numel[c.group],
-                c.out_bytes == 2 * ws * group_numel[c.group],
+                c.in_bytes == 2 * slot[c.group],
+                c.out_bytes == 2 * ws * slot[c.group],
             )
             for c in log.calls
             if c.kind == "AG"
@@ -592,13 +596,16 @@ def expected_sizes(other: torch.dtype, ws: int, param_dtype, reduce_dtype) -> di
         ag_dtype = param_dtype or torch.uint8
         per_element = [(param_dtype or d).itemsize for d in dtypes]
         rs_dtype = reduce_dtype or param_dtype or functools.reduce(torch.promote_types, dtypes)
+        ag_numel = sum(n * b for n, b in zip(numels, per_element)) // ag_dtype.itemsize
         sizes[group] = {
             "ag_dtype": str(ag_dtype),
-            "ag_bytes": sum(n * b for n, b in zip(numels, per_element)),
+            # The divergence checks' tail ends each rank's slot ([Note: in-band
+            # fingerprints] in fsdp2/_fingerprints.py).
+            "ag_bytes": tailed_numel(ag_numel, ag_dtype) * ag_dtype.itemsize,
             "rs_dtype": str(rs_dtype),
             # fsdp2 appends one "had a gradient" flag per parameter to each rank's chunk,
-            # padded to 64 bytes
-            "rs_numel": sum(numels) + flag_numel(len(params), rs_dtype),
+            # padded to 64 bytes, then the divergence checks' 64-byte fingerprint block
+            "rs_numel": sum(numels) + flag_numel(len(params), rs_dtype) + block_numel(rs_dtype),
         }
     return sizes
 

@@ -174,7 +174,10 @@ def test_layout_matches_the_runtime_group(world: int, mp: torch.dtype | None) ->
         numel = group._packed_offsets(positions)[-1] + group.flag_numel(
             len(positions), reduce_dtype
         )
+        # The divergence checks' fingerprint block ([Note: in-band fingerprints]).
+        numel += group.fingerprint_block_numel(reduce_dtype, None)
         assert layout.reduce_numel == numel
+        assert layout.tail_slack == group.tail_bytes
 
 
 # -- grouping ---------------------------------------------------------------------------------

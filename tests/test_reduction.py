@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
+import fsdp2._fingerprints as fingerprints
 
 # One definition of the contributions and the simulation for these tests and the docs' plot.
 from benchmarks.reduction import _training_rank, contributions, relative_error, simulated
@@ -380,8 +381,9 @@ def test_bf16_compute_equals_torch_fp32_reduction_at_half_the_bytes() -> None:
             assert torch.equal(report["params"]["fsdp2"][name], value), name
         sent = report["bytes"]
         # Half of torch's bytes, plus fsdp2's has-gradient flags: 64 bytes per rank's
-        # chunk ([Note: padded gradient flags]), 2 ranks, 3 groups, 3 steps.
-        flags = 64 * 2 * 3 * 3
+        # chunk ([Note: padded gradient flags]), and the divergence checks' 64-byte
+        # fingerprint block, 2 ranks, 3 groups, 3 steps.
+        flags = (64 + fingerprints.BLOCK_BYTES) * 2 * 3 * 3
         assert sent["all-to-all"] == sent["reduce-scatter"] // 2 + flags > flags, sent
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp2
-from fsdp2 import _comm_context, _grad_reduce, _param_group, _state
+from fsdp2 import _all_gather, _comm_context, _grad_reduce, _param_group, _state
 
 
 class _Stream:
@@ -56,9 +56,9 @@ class _Streams:
 
 @contextlib.contextmanager
 def _recording(log: list[tuple]) -> Any:
-    """Patch the stream helpers and collectives ``_param_group``, ``_grad_reduce``,
-    ``_comm_context`` and ``_state`` call so they log what they are asked and run the real
-    collectives stream-free."""
+    """Patch the stream helpers and collectives ``_param_group``, ``_all_gather``,
+    ``_grad_reduce``, ``_comm_context`` and ``_state`` call so they log what they are asked
+    and run the real collectives stream-free."""
     events = [0]
 
     def record_event(stream: Any) -> Any:
@@ -77,11 +77,13 @@ def _recording(log: list[tuple]) -> Any:
         if waiter is not None and producer is not None and waiter is not producer:
             log.append(("wait_stream", waiter.name, producer.name))
 
-    real_ag, real_rs = _param_group.all_gather_flat, _grad_reduce.reduce_scatter_flat
+    real_ag, real_rs = _all_gather.all_gather_flat, _grad_reduce.reduce_scatter_flat
 
-    def all_gather_flat(output, input, group, stream, custom=None, what="all-gather", record=None):
+    def all_gather_flat(
+        output, input, group, stream, custom=None, what="all-gather", record=None, check=None
+    ):
         log.append(("all_gather", stream.name, dist.get_world_size(group)))
-        return real_ag(output, input, group, None, custom, what, record)
+        return real_ag(output, input, group, None, custom, what, record, check)
 
     def reduce_scatter_flat(
         output,
@@ -92,8 +94,9 @@ def _recording(log: list[tuple]) -> Any:
         custom=None,
         what="reduce-scatter",
         record=None,
+        check=None,
     ):
-        return real_rs(output, input, group, None, op, custom, what, record)
+        return real_rs(output, input, group, None, op, custom, what, record, check)
 
     real_unshard, real_reshard = _param_group.ParamGroup.unshard, _param_group.ParamGroup.reshard
 
@@ -109,10 +112,11 @@ def _recording(log: list[tuple]) -> Any:
         (_param_group.ParamGroup, "unshard"): unshard,
         (_param_group.ParamGroup, "reshard"): reshard,
         (_param_group, "record_event"): record_event,
-        (_param_group, "wait_event"): wait_event,
-        (_param_group, "wait_stream"): wait_stream,
-        (_param_group, "use_stream"): lambda stream: contextlib.nullcontext(),
-        (_param_group, "all_gather_flat"): all_gather_flat,
+        (_all_gather, "record_event"): record_event,
+        (_all_gather, "wait_event"): wait_event,
+        (_all_gather, "wait_stream"): wait_stream,
+        (_all_gather, "use_stream"): lambda stream: contextlib.nullcontext(),
+        (_all_gather, "all_gather_flat"): all_gather_flat,
         (_grad_reduce, "record_event"): record_event,
         (_grad_reduce, "wait_stream"): wait_stream,
         (_grad_reduce, "use_stream"): lambda stream: contextlib.nullcontext(),

@@ -350,23 +350,23 @@ MUTATIONS = {
     # ... or after the event given with set_post_optim_event.
     "post-optim-event": ("post-optim-event", "fsdp2._state:wait_event"),
     # An unshard() right after optimizer.step() waits for it too.
-    "explicit-unshard-after-step": ("explicit-unshard", "fsdp2._param_group:wait_stream"),
+    "explicit-unshard-after-step": ("explicit-unshard", "fsdp2._all_gather:wait_stream"),
     # The all-gather stream waits for the events of the compute stream's last use of
     # its memory and (int reshard_after_forward) of the post-forward shard's copy.
-    "all-gather-stream-events": ("reshard-to-2-of-4", "fsdp2._param_group:wait_event"),
+    "all-gather-stream-events": ("reshard-to-2-of-4", "fsdp2._all_gather:wait_event"),
     # The next all-gather reads shards written back on the compute stream after it.
     "write-back-before-all-gather": (
         "in-place-change-written-back",
         "fsdp2._comm_context:CommContext.order_all_gathers_after_compute",
     ),
-    # HSDP: the compute stream waits for the reduce-scatter's and all-reduce's results.
-    "hsdp-all-reduce": ("hsdp", "fsdp2._grad_reduce:wait"),
+    # HSDP: the compute stream waits for the all-reduce's result.
+    "hsdp-all-reduce": ("hsdp", "fsdp2._replica_sum:wait"),
     # HSDP: the all-reduce waits for the reduce-scatter's result (its event only).
-    "hsdp-all-reduce-after-reduce-scatter": ("hsdp", "fsdp2._grad_reduce:wait_event"),
+    "hsdp-all-reduce-after-reduce-scatter": ("hsdp", "fsdp2._replica_sum:wait_event"),
     # ReducePolicy: the compute stream waits for the sum of the all-to-all's chunks.
     "reduce-policy-sum-before-use": ("reduce-policy", "fsdp2._grad_reduce:wait"),
     # ... and HSDP's exchange over replicas waits for that sum (its event only).
-    "reduce-policy-replicas-after-sum": ("reduce-policy-hsdp", "fsdp2._grad_reduce:wait_event"),
+    "reduce-policy-replicas-after-sum": ("reduce-policy-hsdp", "fsdp2._replica_sum:wait_event"),
 }
 
 

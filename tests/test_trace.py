@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import divergence_checks
 from _launcher import run_ranks
 from _stream_sanitizer import stream_sanitizer
 from torch import nn
@@ -534,7 +535,9 @@ def traced_with_streams(lagging: bool) -> dict[str, Any]:
     """Rank function: fsdp2's CUDA code path under the stream sanitizer's stand-in streams
     and timing events. ``lagging``: the stand-in device passes no event while steps run."""
     counter = Counter()
-    with stream_sanitizer() as sanitizer:
+    # The trace's own events and waits: without the divergence checks' (one event per
+    # collective, and a wait before the optimizer step; see tests/test_divergence.py).
+    with divergence_checks(False), stream_sanitizer() as sanitizer:
         sanitizer.device_caught_up = not lagging
         model = sharded_net()
         optim = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -7,8 +7,12 @@ ranks or the memory: per rank ``ceil(rows / W)`` rows of each parameter (the pad
 shard), unsharded parameters each starting at ``UNSHARDED_ALIGN_BYTES`` unless the
 all-gather writes in place, the reduce-scatter input holding the trainable parameters'
 padded shards plus the "had a gradient" flags padded to ``REDUCE_FLAG_ALIGN_BYTES`` per
-rank. The constants are the runtime's own, imported, so a change there changes the
-plan; ``tests/test_plan.py`` checks every figure against a sharded model's buffers.
+rank, and, with the divergence checks on (``fsdp2.set_divergence_checks``, read when the
+plan is made), the fingerprints: a tail after each rank's all-gather data (padded to 16
+bytes), a 64-byte block after each reduction chunk's flags, and no all-gather straight
+into the unsharded buffer where there is more than one rank. The constants are the
+runtime's own, imported, so a change there changes the plan; ``tests/test_plan.py``
+checks every figure against a sharded model's buffers.
 
 Not modelled (the planner refuses them or says so in the report): parameters that are
 already ``DTensor``s (tensor parallelism), ``shard_placement_fn``, all-gather extensions.
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp2._divergence import checks_enabled
+from fsdp2._fingerprints import BLOCK_BYTES, TAIL_BYTES, block_numel, tailed_numel
 from fsdp2._grad_pack import REDUCE_FLAG_ALIGN_BYTES, promote_dtypes
 from fsdp2._param_group import UNSHARDED_ALIGN_BYTES
 from fsdp2._policies import MixedPrecisionPolicy
@@ -86,6 +92,24 @@ class GroupLayout:
     flags_bytes: int  # the flags tensor built at each reduction (world_size rows)
     grad_copy_bytes: int  # sharded gradients copied out of the reduced output (dtype change)
     grads_view_reduced: bool  # some sharded gradient is a view of the reduced output
+    # The divergence checks' fingerprints ride in the collectives (docs/divergence.md).
+    fingerprints: bool = False
+    tail_slack: int = 0  # ``GroupAllGather.tail_bytes``: the buffer pool's slack for tails
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Whether the all-gather writes the unsharded buffer (no tails between rows)."""
+        return self.gather_in_place and not (self.fingerprints and self.world_size > 1)
+
+    def gather_bytes(self, ranks: int, message: int) -> int:
+        """An all-gather's output: ``ranks`` slots of ``message`` elements, each followed
+        by its tail with the checks on."""
+        row = (
+            tailed_numel(message, _ITEMSIZE_DTYPE[self.gather_itemsize])
+            if self.fingerprints
+            else message
+        )
+        return ranks * row * self.gather_itemsize
 
     @property
     def reduce_input_bytes(self) -> int:
@@ -104,8 +128,16 @@ class GroupLayout:
         return param.numel * self.compute_itemsize[param.index]
 
     def post_forward_bytes(self, size: int) -> int:
-        """``reshard_after_forward=size``: the share kept after forward."""
-        return self.all_gather_bytes // size if size > 1 else 0
+        """``reshard_after_forward=size``: the share kept after forward (with room for a
+        tail, whether or not the checks are on)."""
+        if size <= 1:
+            return 0
+        message = self.world_size // size * self.gather_numel
+        return tailed_numel(message, _ITEMSIZE_DTYPE[self.gather_itemsize]) * self.gather_itemsize
+
+    def post_forward_gather_bytes(self, size: int) -> int:
+        """The backward all-gather's output within the post-forward group of ``size``."""
+        return self.gather_bytes(size, self.world_size // size * self.gather_numel)
 
 
 def padded_rows(param: ParamInfo, world_size: int) -> tuple[int, int]:
@@ -133,6 +165,7 @@ def group_layout(
     ws = mesh.shard
     if not params:  # a call whose modules' parameters all belong to other calls
         return GroupLayout((), ws, 0, 0, 1, 0, True, 0, 0, {}, 0, 1, 0, 0, 0, False)
+    fingerprints = checks_enabled()
     ordered = sorted(params, key=lambda p: not p.requires_grad)  # trainable first, stable
     dtypes = [p.dtype for p in ordered]
     mixed = len(set(dtypes)) > 1
@@ -167,11 +200,15 @@ def group_layout(
     if trainable:
         step_dtype = reduce_dtype or promote_dtypes(p.dtype for p in trainable)
         flags = flag_numel(len(trainable), step_dtype)
-        reduce_numel = sum(padded[p.index] for p in trainable) + flags
-        slack = ws * flag_numel(len(ordered), step_dtype) * step_dtype.itemsize
+        # ``GradientPacking.fingerprint_block_numel``: after the flags, a block, where a
+        # collective runs (or HSDP's all-reduce will).
+        block = block_numel(step_dtype) if fingerprints and (ws > 1 or mesh.replicate > 1) else 0
+        reduce_numel = sum(padded[p.index] for p in trainable) + flags + block
+        flag_region = flag_numel(len(ordered), step_dtype) * step_dtype.itemsize
+        slack = ws * (flag_region + BLOCK_BYTES)
         grad_dtypes = {policy_dtype or p.dtype for p in trainable}
         flag_dtype = grad_dtypes.pop() if len(grad_dtypes) == 1 else step_dtype
-        flags_bytes = ws * flags * flag_dtype.itemsize
+        flags_bytes = ws * (flags + block) * flag_dtype.itemsize
         copied = [p for p in trainable if p.dtype != step_dtype or offload_to_host]
         grad_copy = sum(padded[p.index] * p.dtype.itemsize for p in copied)
         views = len(copied) < len(trainable)
@@ -186,7 +223,9 @@ def group_layout(
         shard_bytes=shard_bytes,
         gather_numel=gather_numel,
         gather_itemsize=itemsize,
-        all_gather_bytes=ws * gather_numel * itemsize,
+        all_gather_bytes=ws
+        * (tailed_numel(gather_numel, gather_dtype) if fingerprints and ws > 1 else gather_numel)
+        * itemsize,
         gather_in_place=in_place,
         unsharded_bytes=unsharded_numel * itemsize,
         gap_bytes=(unsharded_numel - ws * gather_numel) * itemsize,
@@ -197,7 +236,13 @@ def group_layout(
         flags_bytes=flags_bytes,
         grad_copy_bytes=grad_copy,
         grads_view_reduced=views,
+        fingerprints=fingerprints and ws > 1,
+        tail_slack=ws * 2 * TAIL_BYTES,
     )
+
+
+# A dtype of each itemsize (the tail's padding depends on the itemsize only).
+_ITEMSIZE_DTYPE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 @functools.cache

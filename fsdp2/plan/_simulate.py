@@ -273,7 +273,11 @@ class StepSimulation:
     def run(self) -> SimResult:
         mem = self.mem = _Memory()
         slack = max(
-            (s.layout.reduce_flag_slack + s.layout.gap_bytes for s in self.specs), default=0
+            (
+                s.layout.reduce_flag_slack + s.layout.gap_bytes + s.layout.tail_slack
+                for s in self.specs
+            ),
+            default=0,
         )
         self.pool = _Pool(mem, self.cpu, slack)
         self.states = [_State(i, s) for i, s in enumerate(self.specs)]
@@ -527,14 +531,18 @@ class StepSimulation:
             return
         layout = st.layout
         from_post_forward = st.post_forward
-        if layout.gather_in_place:
+        size = st.spec.post_forward_size
+        nbytes = (
+            layout.post_forward_gather_bytes(size) if from_post_forward else layout.all_gather_bytes
+        )
+        if layout.gathers_in_place:
             self.pool.fill(f"unsharded{st.index}", layout.unsharded_bytes, "unsharded_params")
             output = None
         else:
             output = f"gather{st.index}"
-            self.pool.empty(output, layout.all_gather_bytes, "comm_buffers")
+            self.pool.empty(output, nbytes, "comm_buffers")
         if self.mesh.shard > 1:
-            self.comm[st.index].all_gather.add(layout.all_gather_bytes)
+            self.comm[st.index].all_gather.add(nbytes)
         st.in_flight = (output, from_post_forward)
         st.post_forward = False
 
