@@ -233,6 +233,21 @@ class BackwardHooks:
                 for target_group in target.groups:
                     target_group.unshard(phase=Phase.BACKWARD_PREFETCH)
 
+    # [Note: repeated backwards over one forward]
+    # Two counters decide when a group's post-backward may reshard and reduce.
+    # ``_pending_backward_calls`` counts the forward calls whose backward has not run yet
+    # (set by the forwards, reset by each final callback to the calls still to come);
+    # ``_open_claims`` counts the post-backward nodes of the calls this backward opened
+    # (added by each pre-backward trigger, one per module call of the group). A loss
+    # computed chunk by chunk, each chunk's backward through the trunk over a retained
+    # graph, runs the same forward's backward several times: from the second one on, the
+    # forward's calls are no longer pending, so the pending count alone would let the
+    # first node of a list group (its last module) reshard the group while its earlier
+    # modules' backward, in the same backward, still reads the parameters. So a node also
+    # waits while other nodes of the calls this backward opened are still to run; one
+    # that never runs in this backward (its inputs' gradients are not needed by it) is
+    # settled by the final callback, which clears ``_open_claims`` first.
+
     def post_backward(self) -> None:
         """Reduce this group's gradients and reshard, once the backward of every forward
         call that has reached backward ran.
@@ -270,6 +285,13 @@ class BackwardHooks:
                 and self not in tree.parked
             ):
                 tree.parked.append(self)
+            return
+        if self._open_claims > 0:
+            # Another post-backward node of a call this backward opened is still to run: a
+            # list group's earlier module, in a backward over a retained graph whose calls
+            # were all counted off by an earlier backward (a loss computed chunk by chunk,
+            # each chunk's backward through the trunk). Reduce after it, or from the final
+            # callback if it never comes; see [Note: repeated backwards over one forward].
             return
         self._pending_backward_calls = 0
         self._reduce_and_reshard()
@@ -357,6 +379,7 @@ class BackwardHooks:
                 # forwards. A parameter used twice gets its gradient only once autograd has
                 # summed both uses, after the earlier post-backward ran. They are owed.
                 state._pending_backward_calls = 1
+                state._open_claims = 0  # nodes that did not run in this backward: settle now
                 state.post_backward()
             elif gathered:
                 # Gathered again after its post-backward (a backward prefetch nothing

@@ -342,8 +342,16 @@ def _reference_grads(
 
 
 def rank_chunked_loss(
-    scenario: str, dtype: str, sync: str, reshard_after_backward: bool, hsdp: bool
+    scenario: str,
+    dtype: str,
+    sync: str,
+    reshard_after_backward: bool,
+    hsdp: bool,
+    grouping: str = "head",
 ) -> dict:
+    """``grouping``: "head" shards ``[norm, lm_head]`` together; "trunk" shards ``[body,
+    norm]`` together and ``lm_head`` alone (in "retain", each chunk's backward runs through
+    the trunk's list group again)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -361,7 +369,11 @@ def rank_chunked_loss(
         mp = package.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         model = copy.deepcopy(master)
         fully_shard = get_fully_shard(impl)
-        fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp)
+        if grouping == "head":
+            fully_shard([model.norm, model.lm_head], mesh=mesh, mp_policy=mp)
+        else:
+            fully_shard([model.body, model.norm], mesh=mesh, mp_policy=mp)
+            fully_shard(model.lm_head, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         model.lm_head.set_reshard_after_backward(reshard_after_backward)
         models[impl], sharded[impl] = model, dict(model.named_parameters())
@@ -393,7 +405,10 @@ def rank_chunked_loss(
                 grad = sharded[impl]["lm_head.weight"].grad
                 grads[impl]["after_chunks"] = None if grad is None else full(grad)
 
-            _chunked_backward(model, local, scenario, before_chunk, after_chunks)
+            # "trunk": an input that needs its gradient, so that the body's backward reads
+            # its weight (with the list group resharded too early, freed storage).
+            inputs = local.clone().requires_grad_() if grouping == "trunk" else local
+            _chunked_backward(model, inputs, scenario, before_chunk, after_chunks)
             head.reshard()
             grads[impl].update({n: full(p.grad) for n, p in sharded[impl].items()})
         for name, g in grads["torch"].items():
@@ -446,6 +461,30 @@ def test_chunked_loss_through_a_list_group_hsdp(scenario: str) -> None:
         for rab in (True, False):
             args = (scenario, "bfloat16", sync, rab, True)
             for rank, rep in enumerate(run_ranks(rank_chunked_loss, 4, *args)):
+                where = (rank, sync, rab)
+                assert not rep["mismatches"], (where, "not bitwise equal to torch", rep)
+                assert rep["worst_ref"] <= 1e-6, (where, rep)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scenario", ["split", "retain"])
+def test_chunked_loss_through_a_trunk_list_group(
+    scenario: str, dtype: str, world_size: int
+) -> None:
+    """The trunk's modules in one list group and the head alone: in "retain", every
+    chunk's backward runs through the trunk's group again, over the retained graph. Before
+    the fix, from the second chunk's backward on, the group's first post-backward node
+    (the norm's) resharded it while the body's backward, still to run, needed the
+    parameters ("setStorage: ... out of bounds for storage of size 0"), since the first
+    backward had counted off both calls; see [Note: repeated backwards over one forward]
+    in ``_backward_hooks``."""
+    require_impl("fsdp2")
+    require_impl("torch")
+    for sync in ("last", "every"):
+        for rab in (True, False):
+            args = (scenario, dtype, sync, rab, False, "trunk")
+            for rank, rep in enumerate(run_ranks(rank_chunked_loss, world_size, *args)):
                 where = (rank, sync, rab)
                 assert not rep["mismatches"], (where, "not bitwise equal to torch", rep)
                 assert rep["worst_ref"] <= 1e-6, (where, rep)
