@@ -155,6 +155,7 @@ class BackwardHooks:
     _pending_backward_calls: int
     _post_backward_done: bool
     _open_claims: int
+    _open_untracked: int
     _untracked_calls: int
     _backward_epoch: int
     _unopened_forwards: list[ForwardCall]
@@ -194,6 +195,7 @@ class BackwardHooks:
             raise AssertionError("pre-backward before lazy init")
         tree.queue_final_callback()
         self._open_claims += claims
+        self._open_untracked += forward.untracked
         if tree.parked:
             for state in tree.parked:
                 if state is not self:
@@ -244,9 +246,11 @@ class BackwardHooks:
     # forward's calls are no longer pending, so the pending count alone would let the
     # first node of a list group (its last module) reshard the group while its earlier
     # modules' backward, in the same backward, still reads the parameters. So a node also
-    # waits while other nodes of the calls this backward opened are still to run; one
-    # that never runs in this backward (its inputs' gradients are not needed by it) is
-    # settled by the final callback, which clears ``_open_claims`` first.
+    # waits while other nodes of the calls this backward opened are still to run, and
+    # while one of those calls has no node at all (``_open_untracked``: its inputs need
+    # no gradient, so nothing reports the end of its backward; in a first backward the
+    # pending count keeps such a group gathered until the final callback, as it must
+    # here); the final callback settles them, after clearing both counts.
 
     def post_backward(self) -> None:
         """Reduce this group's gradients and reshard, once the backward of every forward
@@ -286,12 +290,13 @@ class BackwardHooks:
             ):
                 tree.parked.append(self)
             return
-        if self._open_claims > 0:
-            # Another post-backward node of a call this backward opened is still to run: a
-            # list group's earlier module, in a backward over a retained graph whose calls
-            # were all counted off by an earlier backward (a loss computed chunk by chunk,
-            # each chunk's backward through the trunk). Reduce after it, or from the final
-            # callback if it never comes; see [Note: repeated backwards over one forward].
+        if self._open_claims > 0 or self._open_untracked > 0:
+            # Another call this backward opened may still read the parameters: a list
+            # group's earlier module, with a node still to run or with none (its inputs
+            # need no gradient), in a backward over a retained graph whose calls were all
+            # counted off by an earlier backward (a loss computed chunk by chunk, each
+            # chunk's backward through the trunk). Reduce after its node, or from the final
+            # callback; see [Note: repeated backwards over one forward].
             return
         self._pending_backward_calls = 0
         self._reduce_and_reshard()
@@ -379,7 +384,9 @@ class BackwardHooks:
                 # forwards. A parameter used twice gets its gradient only once autograd has
                 # summed both uses, after the earlier post-backward ran. They are owed.
                 state._pending_backward_calls = 1
-                state._open_claims = 0  # nodes that did not run in this backward: settle now
+                # Calls whose backward did not report (no node, or one that did not run in
+                # this backward): settle now.
+                state._open_claims = state._open_untracked = 0
                 state.post_backward()
             elif gathered:
                 # Gathered again after its post-backward (a backward prefetch nothing
@@ -395,7 +402,7 @@ class BackwardHooks:
                         group.reduce_grads()
             state._post_backward_done = False
             state._reduced_early = False
-            state._open_claims = 0
+            state._open_claims = state._open_untracked = 0
             state._backward_epoch += 1
             for forward in later:
                 forward.epoch = state._backward_epoch
@@ -506,7 +513,7 @@ class BackwardHooks:
             state._pending_backward_calls = 0
             state._post_backward_done = False
             state._reduced_early = False
-            state._open_claims = 0
+            state._open_claims = state._open_untracked = 0
             state._untracked_calls = 0
             state._backward_epoch += 1
             state._unopened_forwards.clear()

@@ -235,6 +235,7 @@ class FSDPState(BackwardHooks):
         self._claims_this_forward = 0
         self._claims_armed = 0  # of those, the ones an armed pre-backward trigger counts
         self._open_claims = 0
+        self._open_untracked = 0
         # Pending calls without a post-backward node (no input needed grad): nothing reports
         # their backward, which may still read the parameters, so the group is not parked.
         self._untracked_calls = 0

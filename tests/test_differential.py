@@ -242,7 +242,9 @@ def test_reduce_scatter_sums_in_torchs_order_at_3_ranks() -> None:
 # last chunk; 4 ranks bf16, 2 ranks fp32, 2 ranks bf16 with accumulation: each off torch
 # before the chunks' backwards were settled one by one), 11006 (the same on a 2x2 HSDP
 # mesh), 11279 (the head alone, each chunk's backward through the trunk, 3 ranks), 11294
-# (the head in a list group with a module that odd steps skip, sync on every chunk).
+# (the head in a list group with a module that odd steps skip, sync on every chunk), 11870
+# (each chunk's backward through a list group of a norm whose input needs no gradient and
+# an activation: 4 ranks, bf16, accumulation; [Note: repeated backwards over one forward]).
 # They take about 35 s on 2 cores.
 SEEDS = [
     2,
@@ -285,6 +287,7 @@ SEEDS = [
     11130,
     11279,
     11294,
+    11870,
 ]
 
 FEATURES = {
