@@ -636,3 +636,40 @@ def test_tails_round_trip_at_16_byte_boundaries() -> None:
                 fingerprints.write_tail(buffer[r * row + row - unit : (r + 1) * row], fp)
             tails = buffer.view(3, row)[:, row - unit :].view(torch.float64).tolist()
             assert tails == [[8.0 * (5 + 2) + 2, 123456789.0]] * 3
+
+
+@pytest.mark.parametrize("ranks", [4, 32])
+def test_checks_of_many_ranks_compare_in_one_op(
+    ranks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above a few ranks the tails and all-to-all blocks are compared in one torch op
+    (reading 256 ranks' fingerprints into Python cost 80 us per all-gather); both paths
+    pass equal fingerprints and name every rank whose fingerprint differs."""
+    failures: list[str] = []
+    monkeypatch.setattr(
+        fingerprints, "raise_divergence", lambda _g, headline, *_a, **_k: failures.append(headline)
+    )
+    monkeypatch.setattr(fingerprints, "global_ranks", lambda _group: list(range(ranks)))
+    mine = divergence.Fingerprint(3, divergence.Stage.FORWARD, 41)
+    other = divergence.Fingerprint(3, divergence.Stage.FORWARD, 42)
+    issued = divergence.Issued(mine, "all-gather of blocks.3 (Linear)", 0, time.time(), None)
+    unit = fingerprints.tail_numel(torch.float32)
+    for odd in (None, ranks - 1):
+        slots = torch.zeros(ranks, 8 + unit)
+        for r in range(ranks):
+            fingerprints.write_tail(slots[r, 8:], other if r == odd else mine)
+        tails = slots[:, 8:].view(torch.float64)
+        fingerprints.GatheredTails(issued, tails, []).verify()
+        n = fingerprints.block_numel(torch.float32)
+        blocks = torch.stack(
+            [
+                fingerprints.block_tensor(
+                    other if r == odd else mine, n, torch.float32, torch.device("cpu")
+                )
+                for r in range(ranks)
+            ]
+        )
+        fingerprints.ExchangedBlocks(issued, blocks, []).verify()
+    assert len(failures) == 2, failures  # the tails, then the blocks, of the odd rank only
+    assert f"rank {ranks - 1}: group #3, forward, sequence 42" in failures[0], failures[0]
+    assert f"the chunks from rank(s) {ranks - 1} carry another" in failures[1], failures[1]
