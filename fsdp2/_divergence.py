@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp2._comm_records import Phase
+from fsdp2._switches import read_switch
 
 ENV_VAR = "FSDP2_DIVERGENCE_CHECKS"
 # How long a rank that found a problem waits for the other ranks' reports (seconds).
@@ -269,15 +270,7 @@ def set_divergence_checks(enabled: bool) -> None:
 
 
 def _read_environment() -> bool:
-    value = os.environ.get(ENV_VAR, "1").strip().lower()
-    if value in ("1", "true", "on", "yes", ""):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(
-        f"{ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1 (the default: fingerprints in every "
-        f"fsdp2 collective) or 0 (off)."
-    )
+    return read_switch(ENV_VAR, "fingerprints in every fsdp2 collective", "off")
 
 
 def report_timeout() -> float:

@@ -76,7 +76,6 @@ old memory, so neither the step nor the next forward would see the new one).
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -87,6 +86,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 from fsdp2._param import _SHARD_OWNERS, ShardedParam, owner_of, shard_binding
+from fsdp2._switches import read_switch
 
 __all__ = [
     "optimizer_fast_path_enabled",
@@ -139,14 +139,10 @@ def optimizer_fast_path_enabled() -> bool:
 
 
 def _read_environment() -> bool:
-    value = os.environ.get(ENV_VAR, "1").strip().lower()
-    if value in ("1", "true", "on", "yes", ""):
-        return True
-    if value in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(
-        f"{ENV_VAR}={os.environ[ENV_VAR]!r}: expected 1 (the default: optimizer steps on "
-        f"the local shards) or 0 (steps on the DTensor parameters, as torch's fully_shard)."
+    return read_switch(
+        ENV_VAR,
+        "optimizer steps on the local shards",
+        "steps on the DTensor parameters, as torch's fully_shard",
     )
 
 

@@ -214,6 +214,7 @@ MODULE_CHAIN = [
     "_comm_records",
     "_stream_utils",
     "_policies",
+    "_switches",
 ]
 
 
