@@ -360,7 +360,7 @@ def collect_reports(
                     if store.check([key]):
                         reports[r] = json.loads(store.get(key))
                 except (RuntimeError, ValueError):
-                    pass
+                    pass  # not readable yet (being written, or the store busy): next round
         if all(r is not None for r in reports) or time.monotonic() >= deadline:
             break
         time.sleep(pause)

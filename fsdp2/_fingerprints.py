@@ -62,6 +62,7 @@ without the checks it could queue the step's kernels while the device finishes b
 
 from __future__ import annotations
 
+import abc
 import collections
 import math
 import struct
@@ -246,8 +247,8 @@ def allocate_with_room(
     )
     try:
         _REFUSED.setdefault(custom, set()).add((where, api))
-    except TypeError:
-        pass
+    except TypeError:  # no weak references to it: nothing to remember it by, so the
+        pass  # warning comes again at its next refusal (still correct, only louder)
     return None
 
 
@@ -261,7 +262,7 @@ _FEW_RANKS = 16
 pending_checks: collections.deque[FingerprintCheck] = collections.deque()
 
 
-class FingerprintCheck:
+class FingerprintCheck(abc.ABC):
     """The check of one collective's fingerprints: ``region`` is where they land in its
     result. On the CPU ``verify()`` reads it right after the wait; on an accelerator
     ``read_back`` copies it to host memory behind the collective first."""
@@ -302,8 +303,9 @@ class FingerprintCheck:
     def values(self) -> list[Any]:
         return self._source().tolist()
 
+    @abc.abstractmethod
     def verify(self) -> None:
-        raise NotImplementedError
+        """Raise ``DivergenceError`` on every rank if the fingerprints differ."""
 
     def _fail(self, headline: str, reason: str) -> None:
         pending_checks.clear()  # the step is lost: older checks would only repeat the news

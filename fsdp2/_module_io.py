@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
@@ -90,3 +91,28 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 def _is_dataclass_instance(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def hook_first_gradient(output: Any, hook: Callable[..., None]) -> None:
+    """Run ``hook`` once per backward, when the first gradient of ``output``'s tensors
+    that need one is computed: fsdp2's pre-backward trigger, and the planner's record
+    of it (which must fire where the runtime's does).
+
+    An output that is a view (``h.view(b, s, d)``) loses its hook if the caller modifies
+    it in place (``y += 1``): autograd rebases the view on its base, and the view's old
+    node, where the hook sits, leaves the graph; backward would then run on freed
+    parameters. Hooking the base too (a non-leaf made in this forward) keeps a trigger on
+    the path; whichever fires first runs the hook, once."""
+    tensors = [x for x in tensors_in(output) if x.requires_grad]
+    bases = [
+        x._base
+        for x in tensors
+        if x._is_view() and x._base is not None and x._base.grad_fn is not None
+    ]
+    tensors += [b for b in bases if not any(b is t for t in tensors)]
+    if len(tensors) == 1:
+        # What register_multi_grad_hook(mode="any") does for one tensor, without its
+        # per-call set-up (~20 us): a tensor's hook runs once per backward anyway.
+        tensors[0].register_hook(hook)
+    elif tensors:
+        register_multi_grad_hook(tensors, hook, mode="any")

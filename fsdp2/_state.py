@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2._backward_hooks import (
@@ -35,7 +34,7 @@ from fsdp2._backward_nodes import EagerPostBackward, ForwardCall, PostBackward
 from fsdp2._comm_context import CommContext
 from fsdp2._comm_records import Phase
 from fsdp2._divergence import checks_enabled, require_stores
-from fsdp2._module_io import cast_floating, map_tensors, tensors_in
+from fsdp2._module_io import cast_floating, hook_first_gradient, map_tensors, tensors_in
 from fsdp2._param import refuse_plain_values
 from fsdp2._param_group import ParamGroup
 from fsdp2._policies import MixedPrecisionPolicy, OffloadPolicy
@@ -678,25 +677,8 @@ class FSDPState(BackwardHooks):
         its position does)."""
         claims = self._claims_this_forward - self._claims_armed
         self._claims_armed = self._claims_this_forward
-        tensors = [x for x in tensors_in(output) if x.requires_grad]
-        # An output that is a view (``h.view(b, s, d)``) loses its hook if the caller
-        # modifies it in place (``y += 1``): autograd rebases the view on its base, and
-        # the view's old node, where the hook sits, leaves the graph; backward would then
-        # run on freed parameters. Hooking the base too (a non-leaf made in this forward)
-        # keeps a trigger on the path; whichever fires first unshards, once.
-        bases = [
-            x._base
-            for x in tensors
-            if x._is_view() and x._base is not None and x._base.grad_fn is not None
-        ]
-        tensors += [b for b in bases if not any(b is t for t in tensors)]
         hook = functools.partial(
             self._pre_backward, claims, self.current_forward(), prefetch=prefetch
         )
-        if len(tensors) == 1:
-            # What register_multi_grad_hook(mode="any") does for one tensor, without its
-            # per-call set-up (~20 us): a tensor's hook runs once per backward anyway.
-            tensors[0].register_hook(hook)
-        elif tensors:
-            register_multi_grad_hook(tensors, hook, mode="any")
+        hook_first_gradient(output, hook)
         return output

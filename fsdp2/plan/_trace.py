@@ -41,9 +41,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from fsdp2._module_io import hook_first_gradient
 
 
 @dataclass
@@ -213,21 +214,8 @@ def _install_hooks(
             recorder.mark("fwd_post", index)
             if recorder.in_backward or not torch.is_grad_enabled():
                 return
-            outputs = [x for x in _tensors(output) if x.requires_grad]
-            bases = [
-                x._base
-                for x in outputs
-                if x._is_view() and x._base is not None and x._base.grad_fn is not None
-            ]
-            outputs += [b for b in bases if not any(b is t for t in outputs)]
-
-            def hook(*_: Any) -> None:
-                recorder.mark("bwd_pre", index)
-
-            if len(outputs) == 1:
-                outputs[0].register_hook(hook)
-            elif outputs:
-                register_multi_grad_hook(outputs, hook, mode="any")
+            # Where the runtime's pre-backward trigger fires (the same tensors).
+            hook_first_gradient(output, lambda *_: recorder.mark("bwd_pre", index))
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         handles.append(module.register_forward_hook(post))
