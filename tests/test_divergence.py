@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import fsdp2
 import fsdp2._divergence as divergence
 import fsdp2._fingerprints as fingerprints
+from benchmarks.comm import CollectiveCounter
 
 PG_TIMEOUT = 4.0  # seconds: the process groups of the divergent runs
 REPORT_TIMEOUT = "2"  # seconds a rank waits for the others' reports
@@ -336,29 +337,6 @@ def test_after_a_divergence_nothing_waits_for_the_failed_step(kind: str) -> None
 
 # -- the happy path ------------------------------------------------------------------------
 
-COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-               "reduce_scatter_tensor", "all_reduce", "all_to_all_single")  # fmt: skip
-
-
-@contextlib.contextmanager
-def _counting(counts: collections.Counter) -> Iterator[None]:
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def wrap(name: str, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-
 
 def _config_model(config: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     ws = dist.get_world_size()
@@ -389,9 +367,8 @@ def train_on_and_off(config: str) -> dict[str, Any]:
     for enabled in (True, False):
         with divergence_checks(enabled):
             model, optim = _config_model(config)
-            counts: collections.Counter = collections.Counter()
             torch.manual_seed(dist.get_rank())
-            with _counting(counts):
+            with CollectiveCounter() as counter:
                 for _ in range(3):
                     for micro in range(2):
                         if config.startswith("hsdp"):
@@ -399,6 +376,7 @@ def train_on_and_off(config: str) -> dict[str, Any]:
                         model(torch.randn(2, 8)).backward()
                     optim.step()
                     optim.zero_grad()
+            counts = collections.Counter(call["api"] for call in counter.calls)
             runs[enabled] = ([p.to_local().clone() for p in model.parameters()], dict(counts))
     (on, on_counts), (off, off_counts) = runs[True], runs[False]
     return {
