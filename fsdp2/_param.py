@@ -99,7 +99,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -107,7 +107,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fsdp2._extensions import (
     GatherExtension,
@@ -738,7 +738,20 @@ class ShardedParam:
         than the mesh's to the mesh's device: with CPU offload on an accelerator mesh the
         sharded parameters would leave the (pinned) flat shard for device copies."""
         meta = TensorMeta(self.global_shape, contiguous_stride(self.global_shape), local.dtype)
-        return DTensor(local, DTensorSpec(mesh, tuple(placements), meta), requires_grad=False)
+        spec = DTensorSpec(mesh, shared_placements(placements), meta)
+        return DTensor(local, spec, requires_grad=False)
+
+
+# One tuple per distinct placements: the specs of all parameters (and gradients) laid out
+# alike share it, so code that groups tensors by layout (gradient clipping) can compare by
+# identity instead of hashing each ``Placement`` in Python.
+_PLACEMENTS: dict[tuple[Placement, ...], tuple[Placement, ...]] = {}
+
+
+def shared_placements(placements: Iterable[Placement]) -> tuple[Placement, ...]:
+    """``placements`` as a tuple, the same object for equal placements."""
+    key = tuple(placements)
+    return _PLACEMENTS.setdefault(key, key)
 
 
 def refuse_plain_values(

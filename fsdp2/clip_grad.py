@@ -45,6 +45,8 @@ TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 # A set of sharded mesh dims, as the process groups of those dims in a fixed order.
 SetKey = tuple[dist.ProcessGroup, ...]
 
+_UNSEEN: Any = object()  # a layout not looked up yet
+
 
 @torch.no_grad()
 def get_total_norm(
@@ -58,32 +60,58 @@ def get_total_norm(
     tensor's device: ``torch.nn.utils.get_total_norm``'s contract, computed on local
     shards (see [Note: one all-reduce per set of sharded mesh dims])."""
     listed = _as_list(tensors, "get_total_norm", "tensors")
-    norm_type = _norm_type(norm_type)
     if not listed:
         return torch.tensor(0.0)
+    return _total_norm(listed, _norm_type(norm_type), error_if_nonfinite, foreach, None)
+
+
+def _total_norm(
+    listed: list[torch.Tensor],
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+    runs: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """``get_total_norm`` of the non-empty ``listed``. With ``runs``, also append to it
+    the local tensors the norm read, coalesced ([Note: adjacent gradients are one
+    tensor]), for scaling them afterwards; it is cleared if a ``Partial`` tensor's norm
+    read a replicated copy instead of the tensor's own local part."""
     first_device = _local_part(listed[0]).device
     # Per set of sharded dims (first appearance order): its local tensors.
     by_set: dict[SetKey, list[torch.Tensor]] = {}
     order: dict[dist.ProcessGroup, int] = {}
-    # (mesh id, placements) -> the set of a DTensor without Partial placements; meshes
-    # are compared by identity (their __eq__ is slow), all alive during the call.
-    keys: dict[tuple[int, Any], SetKey] = {}
+    # (mesh, placements) by identity -> the set of a DTensor without Partial placements:
+    # fsdp2's gradients share both objects per group, and identities cost no hashing of
+    # placements (all alive during the call, so ids are not reused).
+    keys: dict[tuple[int, int], SetKey | None] = {}
+    copied = False
+    last_layout: tuple[int, int] | None = None
+    last_list: list[torch.Tensor] = []
     for tensor in listed:
         if type(tensor) is DTensor:
             spec = tensor._spec
-            layout = (id(spec.mesh), spec.placements)
-            key = keys.get(layout)
-            if key is None and not any(p.is_partial() for p in spec.placements):
-                key = keys[layout] = _local_of(tensor, order)[1]
-            if key is not None:
-                by_set.setdefault(key, []).append(tensor._local_tensor)
+            layout = (id(spec.mesh), id(spec.placements))
+            if layout == last_layout:  # the common case: the gradients of one group
+                last_list.append(tensor._local_tensor)
                 continue
+            key = keys.get(layout, _UNSEEN)
+            if key is _UNSEEN:
+                is_partial = any(p.is_partial() for p in spec.placements)
+                key = keys[layout] = None if is_partial else _local_of(tensor, order)[1]
+            if key is not None:
+                last_layout, last_list = layout, by_set.setdefault(key, [])
+                last_list.append(tensor._local_tensor)
+                continue
+            copied = True
         local, key = _local_of(tensor, order)
+        last_layout = None
         by_set.setdefault(key, []).append(local)
     partial = {
-        key: _local_norm(locals_, norm_type, foreach, first_device)
+        key: _local_norm(locals_, norm_type, foreach, first_device, runs)
         for key, locals_ in by_set.items()
     }
+    if copied and runs is not None:
+        runs.clear()
     total = _reduce_over_sets(partial, norm_type)
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(
@@ -115,12 +143,32 @@ def clip_grads_with_norm_(
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
     # Scaling is linear: the local part of any layout (a Partial one too) is scaled as is.
-    grads = [_local_part(p.grad) for p in params if p.grad is not None]
+    _scale_(
+        [_local_part(g) for p in params if (g := p.grad) is not None], max_norm, total_norm, foreach
+    )
+
+
+def _scale_(
+    grads: list[torch.Tensor],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None,
+    coalesced: bool = False,
+) -> None:
+    """Scale the local gradients ``grads`` by ``max_norm / (total_norm + 1e-6)``, at most
+    1 (``coalesced``: their adjacent runs are joined already)."""
     if not grads:
         return
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    # A host-side coefficient of 1 leaves every gradient as it is (x * 1.0 == x, NaN
+    # included): skip the pass over them, as Megatron's clipping does. On an
+    # accelerator reading it would synchronize, so the product runs as in torch.
+    if coefficient.device.type == "cpu" and bool(coefficient == 1.0):
+        return
     for (device, _), group in _by_device_and_dtype(grads).items():
         scale = coefficient.to(device)
+        if not coalesced:  # a product per element: the same bits either way
+            group = coalesce_adjacent(group)
         if _use_foreach(group, device, foreach):
             torch._foreach_mul_(group, scale)
         else:
@@ -153,9 +201,18 @@ def clip_grad_norm_(
                 stacklevel=3,
             )
     max_norm = _max_norm(max_norm, "clip_grad_norm_")
-    grads = [p.grad for p in params if p.grad is not None]
-    total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
-    clip_grads_with_norm_(params, max_norm, total, foreach)
+    grads = [g for p in params if (g := p.grad) is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    # The norm's coalesced local tensors are the ones to scale, unless a Partial
+    # gradient's norm read a replicated copy: then its own local part is scaled, as in
+    # clip_grads_with_norm_.
+    runs: list[torch.Tensor] = []
+    total = _total_norm(grads, _norm_type(norm_type), error_if_nonfinite, foreach, runs)
+    if runs:
+        _scale_(runs, max_norm, total, foreach, coalesced=True)
+    else:
+        _scale_([_local_part(g) for g in grads], max_norm, total, foreach)
     return total
 
 
@@ -244,23 +301,97 @@ def _use_foreach(tensors: list[torch.Tensor], device: torch.device, foreach: boo
 
 
 def _local_norm(
-    tensors: list[torch.Tensor], norm_type: float, foreach: bool | None, device: torch.device
+    tensors: list[torch.Tensor],
+    norm_type: float,
+    foreach: bool | None,
+    device: torch.device,
+    runs: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """The norm of one set's local tensors, as torch's ``get_total_norm`` takes it.
-    Empty shards (a rank past the last row of an unevenly sharded tensor) contribute
-    nothing; the max norm of an empty tensor is an error in torch, on one rank only."""
+    """The norm of one set's local tensors, as torch's ``get_total_norm`` takes it
+    (``runs``: see ``_total_norm``). Empty shards (a rank past the last row of an
+    unevenly sharded tensor) contribute nothing; the max norm of an empty tensor is an
+    error in torch, on one rank only."""
     dtype = tensors[0].dtype
     tensors = [t for t in tensors if t.numel() > 0]
     if not tensors:
         identity = math.inf if norm_type == -math.inf else 0.0
         return torch.tensor(identity, dtype=dtype, device=device)
     norms: list[torch.Tensor] = []
-    for (tensor_device, _), group in _by_device_and_dtype(tensors).items():
+    for (tensor_device, tensor_dtype), group in _by_device_and_dtype(tensors).items():
+        joined = coalesce_adjacent(group)
+        if runs is not None:
+            runs.extend(joined)
+        if tensor_dtype in _COALESCED_NORM_DTYPES:
+            group = joined
         if _use_foreach(group, tensor_device, foreach):
             norms.extend(torch._foreach_norm(group, norm_type))
         else:
             norms.extend(torch.linalg.vector_norm(t, norm_type) for t in group)
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+
+
+# Norms over coalesced runs accumulate in float like torch's per-tensor norms but round
+# once; half-precision norms keep torch's per-tensor rounding (see
+# [Note: adjacent gradients are one tensor]).
+_COALESCED_NORM_DTYPES = (torch.float32, torch.float64)
+
+
+def coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with every run of contiguous views that lie back to back in one base
+    replaced by a single flat view of that run (see [Note: adjacent gradients are one
+    tensor]). Order, memory and values are unchanged; nothing is copied.
+
+    [Note: adjacent gradients are one tensor]
+    fsdp2 stores a group's reduced gradients as views of the one tensor the
+    reduce-scatter wrote, in the order of the group's parameters, so on a rank they lie
+    back to back in memory (with gaps only where a parameter's shard is padded). A norm
+    or a scaling over those views is then one kernel over one view of the run instead
+    of one per parameter: on the CPU each small kernel's fixed cost is most of the work,
+    so 64 blocks of 9 parameters cost 64 kernels instead of 576. A tensor joins the run
+    before it only if both are contiguous views of the same base (``_base``: the same
+    storage), of the same dtype, and it starts exactly where the run ends, so a run
+    covers exactly its tensors' elements, each once: gaps, padding, repeated or
+    overlapping tensors and tensors of other storages all start a new run. Scaling gives
+    the same bits per element either way (one rounded product); an fp32 or fp64 norm
+    differs from torch's per-tensor norms only in the order of its float sums, within
+    the 1e-6 relative agreement the functions promise; bf16 and fp16 norms, which torch
+    rounds per tensor, are taken per tensor as torch takes them.
+    """
+    if len(tensors) < 2:
+        return tensors
+    out: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    base: torch.Tensor | None = None
+    end: int | torch.SymInt = -1
+    for tensor in tensors:
+        tensor_base = tensor._base
+        if (
+            tensor_base is not None
+            and tensor_base is base
+            and tensor.storage_offset() == end
+            and tensor.dtype is run[0].dtype
+            and tensor.is_contiguous()
+        ):
+            run.append(tensor)
+            end += tensor.numel()
+            continue
+        _flush(run, end, out)
+        run = [tensor]
+        if tensor_base is not None and tensor.is_contiguous():
+            base, end = tensor_base, tensor.storage_offset() + tensor.numel()
+        else:
+            base, end = None, -1
+    _flush(run, end, out)
+    return out
+
+
+def _flush(run: list[torch.Tensor], end: int | torch.SymInt, out: list[torch.Tensor]) -> None:
+    if len(run) == 1:
+        out.append(run[0])
+    elif run:
+        first = run[0]
+        start = first.storage_offset()
+        out.append(first.as_strided((end - start,), (1,), start))
 
 
 def _reduce_over_sets(partial: dict[SetKey, torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -219,3 +219,134 @@ def test_plain_tensors_are_torchs_function(foreach: bool | None, norm_type: floa
     assert fsdp2.get_total_norm([]).item() == 0.0
     with pytest.warns(UserWarning, match="empty generator"):
         fsdp2.clip_grad_norm_((p for p in []), 1.0)
+
+
+def test_adjacent_views_are_one_tensor() -> None:
+    """[Note: adjacent gradients are one tensor]: only contiguous views that lie back to
+    back in one base join; anything else starts a new run, and nothing is copied."""
+    from fsdp2.clip_grad import coalesce_adjacent
+
+    base, other = torch.randn(100), torch.randn(100)
+    tensors = [
+        base[0:10].view(2, 5),
+        base[10:30],
+        base[30:31],  # three back to back: one run of 31
+        base[40:50],  # a gap before it
+        base[50:60].view(5, 2).t(),  # not contiguous: alone
+        base[60:70],
+        base[60:70],  # the same elements again: not joined
+        other[70:80],  # another storage at the offset where the run ends
+        base[80:90].view(torch.int32),  # another dtype
+        torch.randn(3),  # no base
+    ]
+    runs = coalesce_adjacent(tensors)
+    assert [(r.storage_offset(), tuple(r.shape)) for r in runs] == [
+        (0, (31,)),
+        (40, (10,)),
+        (50, (2, 5)),
+        (60, (10,)),
+        (60, (10,)),
+        (70, (10,)),
+        (80, (10,)),
+        (0, (3,)),
+    ]
+    assert runs[0].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    runs[0].mul_(0.0)  # a view: writes reach the tensors it joined
+    assert not tensors[0].any() and not tensors[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("foreach", [None, False])
+def test_views_of_one_buffer_clip_as_torch(dtype: torch.dtype, foreach: bool | None) -> None:
+    """Gradients that are views of one buffer, as fsdp2's reduced gradients are: the
+    clipped gradients are torch's bitwise (a product per element either way), the total
+    within 1e-6 (fp32: one norm over the run) or bitwise (bf16: per tensor, as torch)."""
+    torch.manual_seed(0)
+    shapes = [(4, 3), (3,), (5, 2), (7,)]
+    flat = torch.randn(sum(math.prod(s) for s in shapes), dtype=dtype) * 10
+    ours = [nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    theirs = [nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    start = 0
+    for a, b, shape in zip(ours, theirs, shapes):
+        n = math.prod(shape)
+        a.grad = flat[start : start + n].view(shape)
+        b.grad = a.grad.clone()
+        start += n
+    originals = [b.grad.clone() for b in theirs]
+    total = fsdp2.clip_grad_norm_(ours, 1.0, foreach=foreach)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0, foreach=foreach)
+    if dtype == torch.bfloat16:
+        assert torch.equal(total, expected)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+    else:
+        assert abs(total.item() - expected.item()) <= REL * expected.item()
+    # Scaled as one run: each gradient is its own product with the coefficient, bitwise.
+    coefficient = torch.clamp(1.0 / (total + 1e-6), max=1.0)
+    assert coefficient.item() < 1.0
+    assert all(torch.equal(a.grad, g * coefficient) for a, g in zip(ours, originals))
+
+
+def test_no_clipping_leaves_cpu_gradients_untouched() -> None:
+    """A CPU total below ``max_norm`` scales by exactly 1: the pass is skipped, so the
+    gradients keep their values and their version counters."""
+    grads = [torch.randn(4, 3), torch.randn(3)]
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    versions = [p.grad._version for p in params]
+    fsdp2.clip_grad_norm_(params, 1e9)
+    assert [p.grad._version for p in params] == versions
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+    fsdp2.clip_grad_norm_(params, 1e-3)
+    assert all(p.grad._version > v for p, v in zip(params, versions))
+
+
+def rank_norm_kernels() -> dict:
+    """fsdp2's gradients of two groups with evenly sharded parameters: how many tensors
+    the norm and the scaling kernels get, against the number of gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    fsdp2.fully_shard(model[0])
+    fsdp2.fully_shard(model)
+    model(torch.randn(4, 8)).square().sum().backward()
+    params = list(model.parameters())
+    full = [_full(p.grad).clone() for p in params]
+    seen: dict[str, list[int]] = {"norm": [], "mul": []}
+    real_norm, real_mul = torch._foreach_norm, torch._foreach_mul_
+
+    def norm(tensors: list[torch.Tensor], *args: Any) -> Any:
+        seen["norm"].append(len(tensors))
+        return real_norm(tensors, *args)
+
+    def mul(tensors: list[torch.Tensor], *args: Any) -> Any:
+        seen["mul"].append(len(tensors))
+        return real_mul(tensors, *args)
+
+    torch._foreach_norm, torch._foreach_mul_ = norm, mul  # type: ignore[assignment]
+    try:
+        total = fsdp2.clip_grad_norm_(params, 1e-2)
+    finally:
+        torch._foreach_norm, torch._foreach_mul_ = real_norm, real_mul  # type: ignore[assignment]
+    expected = torch.nn.utils.get_total_norm(full)
+    coefficient = 1e-2 / (expected + 1e-6)
+    error = max(
+        ((_full(p.grad) - f * coefficient).abs().max() / f.abs().max()).item()
+        for p, f in zip(params, full)
+    )
+    return {
+        "seen": seen,
+        "grads": len(params),
+        "total": (total.item(), expected.item()),
+        "error": error,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_gradients_are_clipped_per_group(world_size: int) -> None:
+    """One norm and one product per group of fsdp2 gradients, not one per parameter."""
+    for rep in run_ranks(rank_norm_kernels, world_size):
+        assert rep["seen"] == {"norm": [2], "mul": [2]}, rep
+        assert rep["grads"] == 4
+        ours, expected = rep["total"]
+        assert abs(ours - expected) <= REL * expected, rep
+        assert rep["error"] <= REL, rep
