@@ -13,7 +13,10 @@
 #   3. one schedule trace of gpu-1b (fsdp2.trace_schedule, timing events on the CUDA
 #      streams): its summary in gpu_trace.log and the JSON, the step's PNG trace_ws1.png,
 #      and the tracing cost against untraced fsdp2 in the same rounds;
-#   4. the divergence checks on and off (benchmarks/divergence.py) on gpu-1b with CUDA
+#   4. optimizer.step() (AdamW for-loop and foreach) and clip_grad_norm_ on CUDA tensors,
+#      8-rank fake process group: fsdp2's fast path, the DTensor path, torch's fully_shard
+#      and plain shards (benchmarks/optimizer.py --device cuda), the issue-26 ratios;
+#   5. the divergence checks on and off (benchmarks/divergence.py) on gpu-1b with CUDA
 #      tensors on an 8-rank fake process group: fsdp2's CUDA path with the fingerprints'
 #      readbacks and the wait before the optimizer step, without communication.
 #
@@ -47,6 +50,9 @@ timeout 420 "$python" benchmarks/compare.py --device cuda --config gpu-1b --step
 if [ -f "$out/gpu-1b.json" ]; then
     "$python" -m benchmarks.report --json "$out/gpu-1b.json" --out "$out/gpu-1b.md" || status=1
 fi
+echo "== optimizer step and clipping: CUDA tensors, 8-rank fake process group"
+timeout 150 "$python" benchmarks/optimizer.py --device cuda --world-size 8 --repeats 10 \
+    --warmup 3 --json "$out/gpu-optimizer.json" 2>&1 | tee "$out/gpu_optimizer.log" || status=1
 echo "== schedule trace: gpu-1b on one GPU, fsdp2 traced and untraced"
 timeout 150 "$python" benchmarks/compare.py --device cuda --config gpu-1b --impls fsdp2 --trace \
     --steps 4 --warmup 2 --ttfs-repeats 0 --no-memory --json "$out/gpu-1b-trace.json" 2>&1 |

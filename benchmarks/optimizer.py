@@ -19,14 +19,18 @@ timed in alternation, rotating which goes first:
 ``step`` times ``optimizer.step()`` (AdamW, lr 1e-3); ``clip`` times
 ``clip_grad_norm_(model.parameters(), max_norm)`` followed by reading the total norm as
 a plain tensor (``fsdp2.clip_grad_norm_`` returns one; torch's returns a partial
-``DTensor``, made whole with ``full_tensor()`` as torchtitan does). ``max_norm`` is large,
-so gradients keep their values; both still scale them. Times are this thread's CPU time
-by default (``--clock thread``: one thread, no real communication, so it is the step's
-cost, and other processes on a shared machine do not stretch it); ratios are medians,
-fsdp2 over torch. Examples::
+``DTensor``, made whole with ``full_tensor()`` as torchtitan does). In ``clip``,
+``max_norm`` is large, so gradients keep their values (torch still multiplies them by 1;
+fsdp2 skips that when the total is on the CPU); in ``clip, scaling`` every call halves
+them (``max_norm`` is half the norm the previous call left), so every implementation
+scales. Times are this thread's CPU time by default (``--clock thread``: one thread, no
+real communication, so it is the step's cost, and other processes on a shared machine do
+not stretch it); with ``--device cuda``, wall time between synchronizations. Ratios are
+medians, fsdp2 over torch. Examples::
 
     python benchmarks/optimizer.py                                # small-many, large-few
     python benchmarks/optimizer.py --config small-many --world-size 256 --repeats 30
+    python benchmarks/optimizer.py --device cuda --world-size 8   # on a GPU (CUDA tensors)
 """
 
 from __future__ import annotations
@@ -107,17 +111,21 @@ def _step_timer(model: nn.Module, foreach: bool, fast: bool) -> Any:
     return step
 
 
-def _clip_timer(model: nn.Module, variant: str) -> Any:
+def _clip_timer(model: nn.Module, variant: str, scaling: bool) -> Any:
     params = list(model.parameters())
+    # With ``scaling``, each call clips to half the norm the previous one left.
+    max_norm = [float(fsdp2.get_total_norm([p.grad for p in params])) if scaling else 1e9]
 
     def clip() -> None:
         assert model is not None  # alive, as in _step_timer
+        if scaling:
+            max_norm[0] *= 0.5
         if variant in ("torch", "plain"):
-            total = torch.nn.utils.clip_grad_norm_(params, 1e9)
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm[0])
             if hasattr(total, "full_tensor"):
                 total.full_tensor()
         else:
-            fsdp2.clip_grad_norm_(params, 1e9)
+            fsdp2.clip_grad_norm_(params, max_norm[0])
 
     return clip
 
@@ -125,6 +133,7 @@ def _clip_timer(model: nn.Module, variant: str) -> Any:
 # thread: this thread's CPU time (the default: on a shared machine, other processes'
 # load stretches wall time, not the CPU time a single-threaded step takes); wall: elapsed.
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
+_synchronize: Any = lambda: None  # noqa: E731  (torch.cuda.synchronize with --device cuda)
 
 
 def _time(
@@ -137,8 +146,10 @@ def _time(
         k = r % len(names)
         for name in names[k:] + names[:k]:
             gc.collect()
+            _synchronize()
             start = CLOCKS[clock]()
             calls[name]()
+            _synchronize()
             elapsed = CLOCKS[clock]() - start
             if r >= warmup:
                 times[name].append(elapsed)
@@ -154,7 +165,13 @@ def _variant(variant: str, template: nn.Module, tokens: torch.Tensor) -> nn.Modu
 
 
 def run_config(
-    cfg: BenchConfig, repeats: int, warmup: int, batch: int, seq: int, clock: str = "thread"
+    cfg: BenchConfig,
+    repeats: int,
+    warmup: int,
+    batch: int,
+    seq: int,
+    clock: str = "thread",
+    device: torch.device | None = None,
 ) -> dict:
     args = ModelArgs(
         vocab_size=cfg.vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads
@@ -163,6 +180,8 @@ def run_config(
     template = Transformer(args)
     template.init_weights(0)
     tokens = torch.randint(0, cfg.vocab_size, (cfg.batch or batch, cfg.seq or seq))
+    if device is not None:
+        template, tokens = template.to(device), tokens.to(device)
     result: dict[str, Any] = {
         "config": cfg.name,
         "parameters": sum(p.numel() for p in template.parameters()),
@@ -176,17 +195,19 @@ def run_config(
         times = _time(steps, repeats, warmup, clock)
         fsdp2.set_optimizer_fast_path(True)
         result[f"step {impl}"] = {v: statistics.median(t) for v, t in times.items()}
-    clips = {}
-    for variant in ("fsdp2", "torch", "plain"):
-        clips[variant] = _clip_timer(_variant(variant, template, tokens), variant)
-    times = _time(clips, repeats, warmup, clock)
-    result["clip"] = {v: statistics.median(t) for v, t in times.items()}
+    for what, scaling in (("clip", False), ("clip, scaling", True)):
+        clips = {}
+        for variant in ("fsdp2", "torch", "plain"):
+            clips[variant] = _clip_timer(_variant(variant, template, tokens), variant, scaling)
+        times = _time(clips, repeats, warmup, clock)
+        result[what] = {v: statistics.median(t) for v, t in times.items()}
     return result
 
 
-def _table(results: list[dict], world_size: int, clock: str) -> str:
+def _table(results: list[dict], world_size: int, clock: str, device: str = "cpu") -> str:
     lines = [
-        f"fake process group, {world_size} ranks; median ms per call ({clock} clock); "
+        f"fake process group, {world_size} ranks, {device} tensors; median ms per call "
+        f"({clock} clock); "
         f"ratios over torch's",
         "",
         "| config | what | fsdp2 | fsdp2, fast path off | torch | plain shards | "
@@ -194,7 +215,7 @@ def _table(results: list[dict], world_size: int, clock: str) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for res in results:
-        for what in ("step for-loop", "step foreach", "clip"):
+        for what in ("step for-loop", "step foreach", "clip", "clip, scaling"):
             t = {v: seconds * 1e3 for v, seconds in res[what].items()}
             theirs = t["torch"]
             cells = [f"{t[v]:.2f}" if v in t else "-" for v in VARIANTS]
@@ -216,9 +237,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dim", type=int, default=None, help="override the model dim")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible to torch")
+        global _synchronize
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        args.clock, _synchronize = "wall", torch.cuda.synchronize  # kernels run async
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
@@ -231,13 +261,15 @@ def main(argv: list[str] | None = None) -> dict:
                 args.batch,
                 args.seq,
                 args.clock,
+                device,
             )
             for name in args.config.split(",")
         ]
     finally:
         dist.destroy_process_group()
-    print(_table(results, args.world_size, args.clock))
+    print(_table(results, args.world_size, args.clock, str(device)))
     out = {
+        "device": str(device),
         "world_size": args.world_size,
         "threads": args.threads,
         "clock": args.clock,
