@@ -370,19 +370,31 @@ def coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             and tensor_base is base
             and tensor.storage_offset() == end
             and tensor.dtype is run[0].dtype
-            and tensor.is_contiguous()
+            and _joinable(tensor)
         ):
             run.append(tensor)
             end += tensor.numel()
             continue
         _flush(run, end, out)
         run = [tensor]
-        if tensor_base is not None and tensor.is_contiguous():
+        if tensor_base is not None and _joinable(tensor):
             base, end = tensor_base, tensor.storage_offset() + tensor.numel()
         else:
             base, end = None, -1
     _flush(run, end, out)
     return out
+
+
+def _joinable(tensor: torch.Tensor) -> bool:
+    """A plain, contiguous, real tensor without a lazy negation: a flat view of its
+    storage range reads exactly its values (a subclass may hold its data elsewhere; a
+    conjugate or negative view's bit would not carry over to the other members)."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.is_contiguous()
+        and not tensor.is_neg()
+        and not tensor.is_complex()
+    )
 
 
 def _flush(run: list[torch.Tensor], end: int | torch.SymInt, out: list[torch.Tensor]) -> None:

@@ -251,6 +251,12 @@ def test_adjacent_views_are_one_tensor() -> None:
         (0, (3,)),
     ]
     assert runs[0].untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    # Views whose values a flat view of their range would not read: never joined.
+    complex_base = torch.randn(8, dtype=torch.complex64)
+    conjugated = [complex_base[0:4].conj(), complex_base[4:8]]
+    assert len(coalesce_adjacent(conjugated)) == 2
+    negated = [torch._neg_view(base[0:4]), base[4:8]]
+    assert len(coalesce_adjacent(negated)) == 2
     runs[0].mul_(0.0)  # a view: writes reach the tensors it joined
     assert not tensors[0].any() and not tensors[2].any()
 
