@@ -408,6 +408,22 @@ def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
     assert written["world_size"] == 2 and written["device"] == "cpu"
 
 
+def test_flat_step_benchmark_compares_flat_and_per_parameter_steps() -> None:
+    """benchmarks/flat_step.py on a shrunk small-many: both step layouts timed, and
+    every reported difference names a covered optimizer (which differ is the CPU's)."""
+    from benchmarks import flat_step
+
+    out = flat_step.main(["--config", "small-many", "--layers", "2", "--repeats", "1"])
+    assert set(out["times"]) == {
+        f"{impl} {layout}"
+        for impl in ("for-loop", "foreach")
+        for layout in ("per parameter", "flat per group")
+    }
+    for dtype, name, impl, gap in out["differ"]:
+        assert dtype in ("float32", "bfloat16") and name in flat_step.OPTIMIZERS, out
+        assert impl in ("for-loop", "foreach", "fused") and gap > 0, out
+
+
 def test_divergence_benchmark(tmp_path: Path) -> None:
     """``benchmarks/divergence.py`` (the divergence checks on and off, and torch, in the
     same rounds): the checks issue the same collectives, each rank's all-gather message
