@@ -211,6 +211,8 @@ def test_gpu_session_script_runs_to_the_missing_device(tmp_path: Path) -> None:
     assert "2 skipped, 2 deselected" in tests_log, tests_log
     bench_log = (tmp_path / "gpu_bench.log").read_text()
     assert "--device cuda: no CUDA device is visible" in bench_log, bench_log
+    optimizer_log = (tmp_path / "gpu_optimizer.log").read_text()
+    assert "--device cuda: no CUDA device is visible" in optimizer_log, optimizer_log
     assert "torch " in (tmp_path / "environment.txt").read_text()
 
 
