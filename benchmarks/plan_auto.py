@@ -61,7 +61,9 @@ def _build(case: Case) -> Transformer:
     return model
 
 
-def _auto_plan(case: Case, mesh: Any) -> Any:
+def _plan(case: Case, mesh: Any, per_block: bool = False) -> Any:
+    """``plan_sharding`` of the case's model on meta: its automatic grouping, or with
+    ``per_block`` the prediction for one group per block (the baseline it is compared to)."""
     from fsdp2 import plan_sharding
 
     args, batch, seq = _model_args(case)
@@ -71,6 +73,7 @@ def _auto_plan(case: Case, mesh: Any) -> Any:
     return plan_sharding(
         model,
         mesh=mesh,
+        groups=[*model.layers, model] if per_block else "auto",
         example_inputs=tokens,
         loss_fn=lambda logits: llama_loss(logits, tokens),
     )
@@ -95,7 +98,7 @@ def _compare_worker(
         for case in cases:
             mesh = make_mesh(case)
             t0 = time.perf_counter()
-            plan = _auto_plan(case, mesh)
+            plan = _plan(case, mesh)
             planning = time.perf_counter() - t0
             per_block = parallelize(_build(case), fsdp2.fully_shard, mesh=mesh)
             auto = plan.apply(_build(case), mesh=mesh)
@@ -134,7 +137,7 @@ def _compare_worker(
                     else parallelize(_build(case), fsdp2.fully_shard, mesh=mesh)
                 )
                 peaks[name] = measure_step(fresh, micro)["peak_bytes"]
-            per_block_plan = _per_block_prediction(case, mesh)
+            per_block_plan = _plan(case, mesh, per_block=True)
             rows.append(
                 {
                     "case": case.label,
@@ -175,22 +178,6 @@ def _compare_worker(
 def case_blocks(case: Case) -> list[int]:
     args, _, _ = _model_args(case)
     return list(range(args.n_layers))
-
-
-def _per_block_prediction(case: Case, mesh: Any) -> Any:
-    from fsdp2 import plan_sharding
-
-    args, batch, seq = _model_args(case)
-    with torch.device("meta"):
-        model = Transformer(args)
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
-    return plan_sharding(
-        model,
-        mesh=mesh,
-        groups=[*model.layers, model],
-        example_inputs=tokens,
-        loss_fn=lambda logits: llama_loss(logits, tokens),
-    )
 
 
 def _calibrate_worker(rank: int, world: int, init: str, out: str) -> None:

@@ -323,9 +323,10 @@ print((after - before) * 1024, plan.peak_bytes)
 """
 
 
-def test_planning_a_real_model_allocates_no_full_parameters() -> None:
+def _run_python(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a fresh interpreter at the repository root; it must succeed."""
     out = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -333,6 +334,11 @@ def test_planning_a_real_model_allocates_no_full_parameters() -> None:
         timeout=240,
     )
     assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_planning_a_real_model_allocates_no_full_parameters() -> None:
+    out = _run_python("-c", _RSS_SCRIPT)
     growth, _ = map(int, out.stdout.split())
     assert growth < 100 * 2**20, f"resident set grew {growth} bytes while planning"
 
@@ -370,30 +376,10 @@ def test_report_to_dict_and_apply() -> None:
 
 
 def test_cli_prints_the_report() -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fsdp2.plan",
-            "benchmarks.plan_speed:llama_small",
-            "--world-size",
-            "16",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--mp",
-            "bf16",
-            "--groups",
-            "auto",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr
+    out = _run_python(
+        "-m", "fsdp2.plan", "benchmarks.plan_speed:llama_small", "--world-size", "16",
+        "--batch", "2", "--seq", "16", "--mp", "bf16", "--groups", "auto",
+    )  # fmt: skip
     assert "Predicted peak per rank" in out.stdout and "param_dtype bfloat16" in out.stdout
 
 
