@@ -178,6 +178,7 @@ def _schedule(
         return 0.8**s
 
     if step is None:
+        kwargs = copy.deepcopy(kwargs)  # a tensor lr is the run's own: schedules fill_ it
         first, second = params[:2], params[2:4]
         optimizer = cls(first, **kwargs)
         optimizer.add_param_group({"params": second, "lr": kwargs["lr"] / 2})
@@ -305,6 +306,36 @@ def _dtensor_unsupported(error: Exception) -> bool:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_every_optimizer_and_implementation_matches_bitwise(world_size: int) -> None:
     reports = run_ranks(rank_fast_path_matches, world_size, CONFIGS, timeout=600)
+    for rank, bad in enumerate(reports):
+        assert bad == [], f"rank {rank}: {bad[:10]}"
+
+
+def _torch_optimizer_inputs() -> list[tuple[str, type, dict[str, Any]]]:
+    """Every input torch's own optimizer tests use on the CPU (``optim_db``), for the
+    optimizers the fast path takes: tensor learning rates, every flag combination torch
+    checks. Inputs that make the step differentiable keep the ``DTensor`` path anyway."""
+    common = pytest.importorskip("torch.testing._internal.common_optimizers")
+    configs = []
+    for info in common.optim_db:
+        if info.optim_cls not in fsdp2_optim._ELEMENTWISE:
+            continue
+        inputs = info.optim_inputs_func(device="cpu", dtype=torch.float32)
+        for i, optim_input in enumerate(inputs):
+            kwargs = dict(optim_input.kwargs)
+            if kwargs.get("differentiable") or kwargs.get("capturable"):
+                continue
+            kwargs.setdefault("lr", 0.01)  # _schedule scales the later groups' lr
+            name = f"{info.optim_cls.__name__}[{i}: {optim_input.desc}]"
+            configs.append((name, info.optim_cls, kwargs))
+    return configs
+
+
+def test_torch_optimizer_test_inputs_match_bitwise() -> None:
+    """torch's own optimizer test inputs, at 2 ranks: the fast path against the plain
+    replay and torch's ``DTensor`` path, every implementation."""
+    configs = _torch_optimizer_inputs()
+    assert len(configs) >= 60, [name for name, _, _ in configs]
+    reports = run_ranks(rank_fast_path_matches, 2, configs, timeout=600)
     for rank, bad in enumerate(reports):
         assert bad == [], f"rank {rank}: {bad[:10]}"
 
