@@ -74,6 +74,40 @@ def default_device_type() -> str:
     return "cpu"
 
 
+# The mesh of ``fully_shard(mesh=None)``: (default process group, weakly; device type;
+# world size; the mesh). See [Note: one default mesh].
+_DEFAULT_MESH: tuple[weakref.ref[dist.ProcessGroup], str, int, DeviceMesh] | None = None
+
+
+def _default_mesh() -> DeviceMesh:
+    """The 1-D mesh over the default process group, one object for every call.
+
+    [Note: one default mesh]
+    Every ``fully_shard(mesh=None)`` call of a model gets the same ``DeviceMesh`` object,
+    not an equal new one per call, as a user passing ``mesh=`` would: a new mesh per
+    module costs its construction at every call, and everything keyed by the mesh's
+    identity (gradient clipping's layouts, ``fsdp2.clip_grad``) would see one layout per
+    module. The cached mesh is rebuilt when the default group is another object
+    (destroyed and initialized again), or the device type or world size differ."""
+    global _DEFAULT_MESH
+    group = dist.group.WORLD
+    device_type = default_device_type()
+    world_size = dist.get_world_size()
+    cached = _DEFAULT_MESH
+    if (
+        cached is not None
+        and group is not None
+        and cached[0]() is group
+        and cached[1] == device_type
+        and cached[2] == world_size
+    ):
+        return cached[3]
+    mesh = init_device_mesh(device_type, (world_size,))
+    if group is not None:
+        _DEFAULT_MESH = (weakref.ref(group), device_type, world_size, mesh)
+    return mesh
+
+
 def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
         if not dist.is_available():
@@ -92,7 +126,7 @@ def resolve_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
                     f"torch.distributed.init_process_group(...) first (torchrun sets the "
                     f"environment), or pass mesh=init_device_mesh(device_type, (world_size,))."
                 ) from error
-        return init_device_mesh(default_device_type(), (dist.get_world_size(),))
+        return _default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
     if mesh.ndim not in (1, 2):

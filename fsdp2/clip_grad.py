@@ -85,26 +85,28 @@ def _total_norm(
     # placements (all alive during the call, so ids are not reused).
     keys: dict[tuple[int, int], SetKey | None] = {}
     copied = False
-    last_layout: tuple[int, int] | None = None
+    last_mesh: Any = None
+    last_placements: Any = None
     last_list: list[torch.Tensor] = []
     for tensor in listed:
         if type(tensor) is DTensor:
             spec = tensor._spec
-            layout = (id(spec.mesh), id(spec.placements))
-            if layout == last_layout:  # the common case: the gradients of one group
-                last_list.append(tensor._local_tensor)
+            if spec.placements is last_placements and spec.mesh is last_mesh:
+                last_list.append(tensor._local_tensor)  # the common case: as the last one
                 continue
+            layout = (id(spec.mesh), id(spec.placements))
             key = keys.get(layout, _UNSEEN)
             if key is _UNSEEN:
                 is_partial = any(p.is_partial() for p in spec.placements)
                 key = keys[layout] = None if is_partial else _local_of(tensor, order)[1]
             if key is not None:
-                last_layout, last_list = layout, by_set.setdefault(key, [])
+                last_mesh, last_placements = spec.mesh, spec.placements
+                last_list = by_set.setdefault(key, [])
                 last_list.append(tensor._local_tensor)
                 continue
             copied = True
         local, key = _local_of(tensor, order)
-        last_layout = None
+        last_mesh = last_placements = None
         by_set.setdefault(key, []).append(local)
     partial = {
         key: _local_norm(locals_, norm_type, foreach, first_device, runs)
@@ -218,6 +220,8 @@ def clip_grad_norm_(
 
 def _as_list(tensors: TensorOrTensors, api: str, name: str) -> list[torch.Tensor]:
     listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if all(issubclass(kind, torch.Tensor) for kind in set(map(type, listed))):
+        return listed  # one pass in C over the list, then the few distinct types
     for i, tensor in enumerate(listed):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
@@ -311,22 +315,26 @@ def _local_norm(
     (``runs``: see ``_total_norm``). Empty shards (a rank past the last row of an
     unevenly sharded tensor) contribute nothing; the max norm of an empty tensor is an
     error in torch, on one rank only."""
-    dtype = tensors[0].dtype
-    tensors = [t for t in tensors if t.numel() > 0]
-    if not tensors:
-        identity = math.inf if norm_type == -math.inf else 0.0
-        return torch.tensor(identity, dtype=dtype, device=device)
     norms: list[torch.Tensor] = []
-    for (tensor_device, tensor_dtype), group in _by_device_and_dtype(tensors).items():
-        joined = coalesce_adjacent(group)
+    # Coalesced first, then grouped: a run has one base, hence one device, and one dtype,
+    # so grouping the runs groups their members (in the same order, torch's grouping).
+    for (tensor_device, tensor_dtype), group in _by_device_and_dtype(
+        coalesce_adjacent(tensors)
+    ).items():
         if runs is not None:
-            runs.extend(joined)
-        if tensor_dtype in _COALESCED_NORM_DTYPES:
-            group = joined
+            runs.extend(group)
+        if tensor_dtype not in _COALESCED_NORM_DTYPES:  # torch's per-tensor norms
+            group = [t for t in tensors if t.dtype == tensor_dtype and t.device == tensor_device]
+        group = [t for t in group if t.numel() > 0]
+        if not group:
+            continue
         if _use_foreach(group, tensor_device, foreach):
             norms.extend(torch._foreach_norm(group, norm_type))
         else:
             norms.extend(torch.linalg.vector_norm(t, norm_type) for t in group)
+    if not norms:
+        identity = math.inf if norm_type == -math.inf else 0.0
+        return torch.tensor(identity, dtype=tensors[0].dtype, device=device)
     return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
 
 
@@ -362,25 +370,31 @@ def coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     run: list[torch.Tensor] = []
     base: torch.Tensor | None = None
+    dtype: torch.dtype | None = None
     end: int | torch.SymInt = -1
+    plain = torch.Tensor
     for tensor in tensors:
+        # _joinable(tensor), inlined: this loop runs once per gradient on every clip.
         tensor_base = tensor._base
-        if (
+        joinable = (
             tensor_base is not None
-            and tensor_base is base
-            and tensor.storage_offset() == end
-            and tensor.dtype is run[0].dtype
-            and _joinable(tensor)
-        ):
-            run.append(tensor)
-            end += tensor.numel()
-            continue
+            and type(tensor) is plain
+            and tensor.is_contiguous()
+            and not tensor.is_neg()
+        )
+        if joinable and tensor_base is base and tensor.dtype is dtype:
+            offset = tensor.storage_offset()
+            if offset == end:
+                run.append(tensor)
+                end = offset + tensor.numel()
+                continue
         _flush(run, end, out)
         run = [tensor]
-        if tensor_base is not None and _joinable(tensor):
-            base, end = tensor_base, tensor.storage_offset() + tensor.numel()
+        if joinable and not tensor.is_complex():
+            base, dtype = tensor_base, tensor.dtype
+            end = tensor.storage_offset() + tensor.numel()
         else:
-            base, end = None, -1
+            base, dtype, end = None, None, -1
     _flush(run, end, out)
     return out
 

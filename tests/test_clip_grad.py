@@ -262,6 +262,22 @@ def test_adjacent_views_are_one_tensor() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, -math.inf])
+def test_empty_views_contribute_nothing(dtype: torch.dtype, norm_type: float) -> None:
+    """Empty shards (a rank past the last row) join a run or stand alone; either way they
+    add nothing to the norm, and a set of only empty tensors has the norm's identity
+    (torch's infinity norm raises on an empty tensor instead)."""
+    base = torch.randn(12, dtype=torch.float32).to(dtype)
+    tensors = [base[0:0], base[0:5], base[5:5], base[5:12], base[12:12]]
+    expected = torch.linalg.vector_norm(base.float(), norm_type)
+    total = fsdp2.get_total_norm(tensors, norm_type)
+    assert torch.allclose(total.float(), expected, rtol=1e-2 if dtype != torch.float32 else 1e-6)
+    identity = math.inf if norm_type == -math.inf else 0.0
+    alone = fsdp2.get_total_norm([base[3:3], torch.empty(0, dtype=dtype)], norm_type)
+    assert float(alone) == identity and alone.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("foreach", [None, False])
 def test_views_of_one_buffer_clip_as_torch(dtype: torch.dtype, foreach: bool | None) -> None:
     """Gradients that are views of one buffer, as fsdp2's reduced gradients are: the

@@ -1058,3 +1058,40 @@ def test_parameters_keep_their_mesh_next_to_an_equal_one() -> None:
         assert set(result["first"]) == {result["own"]}, result
         assert set(result["second"]) == {result["default"]}, result
         assert set(result["grads"]) == {result["default"]}, result
+
+
+def test_default_mesh_is_one_object_per_process_group() -> None:
+    """[Note: one default mesh]: every ``fully_shard(mesh=None)`` of a model shares one
+    ``DeviceMesh`` object (clipping keys its layouts by the mesh's identity, and a mesh per
+    module costs its construction every call); a new default process group gets a new
+    mesh of its own size."""
+    from torch import nn
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fsdp2
+
+    assert not dist.is_initialized()
+
+    def meshes() -> list[Any]:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        for layer in model:
+            fsdp2.fully_shard(layer)
+        fsdp2.fully_shard(model)
+        return [p.device_mesh for p in model.parameters()]
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        first = meshes()
+        assert all(mesh is first[0] for mesh in first + meshes())
+        assert first[0].size() == 2
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        second = meshes()
+        assert second[0] is not first[0]
+        assert all(mesh is second[0] for mesh in second)
+        assert second[0].size() == 4
+        assert second[0].get_group() is dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
