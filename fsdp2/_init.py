@@ -74,9 +74,10 @@ def default_device_type() -> str:
     return "cpu"
 
 
-# The mesh of ``fully_shard(mesh=None)``: (default process group, weakly; device type;
-# world size; the mesh). See [Note: one default mesh].
-_DEFAULT_MESH: tuple[weakref.ref[dist.ProcessGroup], str, int, DeviceMesh] | None = None
+# The mesh of ``fully_shard(mesh=None)``: (default process group; device type; world
+# size; the mesh), both weakly. See [Note: one default mesh].
+_DefaultMesh = tuple["weakref.ref[dist.ProcessGroup]", str, int, "weakref.ref[DeviceMesh]"]
+_DEFAULT_MESH: _DefaultMesh | None = None
 
 
 def _default_mesh() -> DeviceMesh:
@@ -88,7 +89,9 @@ def _default_mesh() -> DeviceMesh:
     module costs its construction at every call, and everything keyed by the mesh's
     identity (gradient clipping's layouts, ``fsdp2.clip_grad``) would see one layout per
     module. The cached mesh is rebuilt when the default group is another object
-    (destroyed and initialized again), or the device type or world size differ."""
+    (destroyed and initialized again), or the device type or world size differ. The
+    cache holds both weakly and so extends no lifetime: the modules' parameters keep
+    their mesh alive (torch's mesh registry does too, and a mesh its process group)."""
     global _DEFAULT_MESH
     group = dist.group.WORLD
     device_type = default_device_type()
@@ -101,10 +104,12 @@ def _default_mesh() -> DeviceMesh:
         and cached[1] == device_type
         and cached[2] == world_size
     ):
-        return cached[3]
+        mesh = cached[3]()
+        if mesh is not None:
+            return mesh
     mesh = init_device_mesh(device_type, (world_size,))
     if group is not None:
-        _DEFAULT_MESH = (weakref.ref(group), device_type, world_size, mesh)
+        _DEFAULT_MESH = (weakref.ref(group), device_type, world_size, weakref.ref(mesh))
     return mesh
 
 
