@@ -374,7 +374,10 @@ def coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     end: int | torch.SymInt = -1
     plain = torch.Tensor
     for tensor in tensors:
-        # _joinable(tensor), inlined: this loop runs once per gradient on every clip.
+        # Joinable: a plain, contiguous view without a lazy negation (and, checked when a
+        # run starts, real), so a flat view of its storage range reads exactly its values
+        # (a subclass may hold its data elsewhere; a conjugate or negative view's bit would
+        # not carry over to the other members). Inline: this runs once per gradient.
         tensor_base = tensor._base
         joinable = (
             tensor_base is not None
@@ -397,18 +400,6 @@ def coalesce_adjacent(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             base, dtype, end = None, None, -1
     _flush(run, end, out)
     return out
-
-
-def _joinable(tensor: torch.Tensor) -> bool:
-    """A plain, contiguous, real tensor without a lazy negation: a flat view of its
-    storage range reads exactly its values (a subclass may hold its data elsewhere; a
-    conjugate or negative view's bit would not carry over to the other members)."""
-    return (
-        type(tensor) is torch.Tensor
-        and tensor.is_contiguous()
-        and not tensor.is_neg()
-        and not tensor.is_complex()
-    )
 
 
 def _flush(run: list[torch.Tensor], end: int | torch.SymInt, out: list[torch.Tensor]) -> None:
