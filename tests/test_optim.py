@@ -815,6 +815,53 @@ def rank_hooks(fast: bool) -> dict[str, Any]:
     return {"seen": seen, "params": [p.to_local() for p in model.parameters()]}
 
 
+def _scaled_run(fused: bool, fast: bool, unscale: bool) -> tuple[list[torch.Tensor], float]:
+    """Three steps under ``torch.amp.GradScaler`` (fused: the scaler hands the step its
+    scale and inf flag as optimizer attributes); step 1 has an inf on rank 0, so the
+    scaler skips that step and halves its scale."""
+    fsdp2.set_optimizer_fast_path(fast)
+    model = _net()
+    impl = {"fused": True} if fused else {"foreach": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, **impl)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(3):
+        x = _batch(step)
+        if step == 1 and dist.get_rank() == 0:
+            x[0, 0] = float("inf")
+        scaler.scale(model(x).square().mean()).backward()
+        if unscale:
+            scaler.unscale_(optimizer)
+            fsdp2.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return [p.to_local().clone() for p in model.parameters()], scaler.get_scale()
+
+
+def rank_grad_scaler() -> list[str]:
+    bad = []
+    try:
+        for fused in (False, True):
+            for unscale in (False, True):
+                fast, fast_scale = _scaled_run(fused, True, unscale)
+                slow, slow_scale = _scaled_run(fused, False, unscale)
+                label = f"fused={fused} unscale={unscale}"
+                if fast_scale != slow_scale or fast_scale != 2.0**9:
+                    bad.append(f"{label}: scales {fast_scale} and {slow_scale}")
+                bad += [f"{label}: param {i}" for i, (a, b) in enumerate(zip(fast, slow))
+                        if not torch.equal(a, b)]  # fmt: skip
+    finally:
+        fsdp2.set_optimizer_fast_path(True)
+    return bad
+
+
+def test_grad_scaler_steps_match_the_dtensor_path() -> None:
+    """AMP's ``GradScaler`` (``scale``, ``unscale_`` then clipping, ``step`` skipping a
+    step with an inf, ``update``) on the fast path: bitwise the ``DTensor`` path's."""
+    for rank, bad in enumerate(run_ranks(rank_grad_scaler, 2)):
+        assert bad == [], f"rank {rank}: {bad}"
+
+
 def test_hooks_see_the_optimizer_and_dtensors() -> None:
     fast, slow = run_ranks(rank_hooks, 2, True)[0], run_ranks(rank_hooks, 2, False)[0]
     n = len(list(Net().parameters()))
