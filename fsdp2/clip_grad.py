@@ -29,9 +29,10 @@ gradients up to the order of the floating-point sums.
 from __future__ import annotations
 
 import math
+import struct
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -161,14 +162,20 @@ def _scale_(
     1 (``coalesced``: their adjacent runs are joined already)."""
     if not grads:
         return
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     # A host-side coefficient of 1 leaves every gradient as it is (x * 1.0 == x, NaN
     # included): skip the pass over them, as Megatron's clipping does. On an
     # accelerator reading it would synchronize, so the product runs as in torch.
-    if coefficient.device.type == "cpu" and bool(coefficient == 1.0):
-        return
+    coefficient: torch.Tensor | float | None = None
+    if total_norm.device.type == "cpu":
+        coefficient = _host_coefficient(float(total_norm), max_norm, total_norm.dtype)
+        if coefficient == 1.0:
+            return
+    if coefficient is None:
+        coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        if coefficient.device.type == "cpu" and bool(coefficient == 1.0):
+            return
     for (device, _), group in _by_device_and_dtype(grads).items():
-        scale = coefficient.to(device)
+        scale = coefficient if isinstance(coefficient, float) else coefficient.to(device)
         if not coalesced:  # a product per element: the same bits either way
             group = coalesce_adjacent(group)
         if _use_foreach(group, device, foreach):
@@ -176,6 +183,40 @@ def _scale_(
         else:
             for grad in group:
                 grad.mul_(scale)
+
+
+def _host_coefficient(total: float, max_norm: float, dtype: torch.dtype) -> float | None:
+    """``clamp(max_norm / (total + 1e-6), max=1.0)`` exactly as torch computes it on a
+    0-dim CPU tensor of ``dtype`` holding ``total``, as a Python float: for fp32 and fp64
+    only, else None (the caller computes it with tensors).
+
+    [Note: the clip coefficient on the host]
+    torch evaluates ``max_norm / t`` as ``t.reciprocal() * max_norm``, each step rounded
+    to ``t``'s dtype. Python floats are IEEE doubles, and one addition, division or
+    product of fp32 values computed in double and then rounded to fp32 is the correctly
+    rounded fp32 result (a double has more than twice fp32's precision), so repeating
+    torch's steps with a rounding to fp32 after each gives its bits. That spares five
+    tiny tensor ops per clip, each as costly as a whole norm kernel of a small model
+    when caches are cold. A product with the float scales every element as the product
+    with the 0-dim fp32 tensor does (both multiply in float, by the same value).
+    Magnitudes that could overflow fp32 (|max_norm| > 1e30) take the tensor path."""
+    rounded: Callable[[float], float]
+    if dtype == torch.float64:
+        rounded = float
+    elif dtype == torch.float32 and abs(max_norm) <= 1e30:
+        rounded = _to_fp32
+    else:
+        return None
+    shifted = rounded(total + rounded(1e-6))
+    if shifted == 0.0:
+        return None
+    coefficient = rounded(rounded(1.0 / shifted) * rounded(max_norm))
+    return coefficient if coefficient != coefficient or coefficient <= 1.0 else 1.0
+
+
+def _to_fp32(value: float) -> float:
+    """``value`` rounded to the nearest fp32 value (ties to even), as a Python float."""
+    return cast(float, struct.unpack("f", struct.pack("f", value))[0])
 
 
 @torch.no_grad()
@@ -329,13 +370,14 @@ def _local_norm(
         if not group:
             continue
         if _use_foreach(group, tensor_device, foreach):
-            norms.extend(torch._foreach_norm(group, norm_type))
+            found = list(torch._foreach_norm(group, norm_type))
         else:
-            norms.extend(torch.linalg.vector_norm(t, norm_type) for t in group)
+            found = [torch.linalg.vector_norm(t, norm_type) for t in group]
+        norms += found if tensor_device == device else [n.to(device) for n in found]
     if not norms:
         identity = math.inf if norm_type == -math.inf else 0.0
         return torch.tensor(identity, dtype=tensors[0].dtype, device=device)
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 # Norms over coalesced runs accumulate in float like torch's per-tensor norms but round

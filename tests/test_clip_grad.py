@@ -308,6 +308,34 @@ def test_views_of_one_buffer_clip_as_torch(dtype: torch.dtype, foreach: bool | N
     assert all(torch.equal(a.grad, g * coefficient) for a, g in zip(ours, originals))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_host_coefficient_is_torch_bitwise(dtype: torch.dtype) -> None:
+    """[Note: the clip coefficient on the host]: the float the CPU path computes is
+    exactly torch's ``clamp(max_norm / (total + 1e-6), max=1.0)`` on a 0-dim tensor, over
+    twelve decades of totals and clip norms (negative and zero ones too) and the special
+    values; magnitudes that could overflow fp32 are left to tensors."""
+    from fsdp2.clip_grad import _host_coefficient
+
+    generator = torch.Generator().manual_seed(0)
+    exponents = torch.rand(4000, 2, generator=generator, dtype=torch.float64) * 24 - 12
+    mantissas = torch.rand(4000, 2, generator=generator, dtype=torch.float64)
+    cases = [(float(t), float(m)) for t, m in (10**exponents * mantissas).tolist()]
+    cases += [(t, -m) for t, m in cases[:500]]
+    special = [0.0, 1e-6, 1.0, math.inf, math.nan]
+    cases += [(t, m) for t in special for m in (0.0, -1.0, 1.0, 1e30, math.inf)]
+    for total, max_norm in cases:
+        tensor = torch.tensor(total, dtype=dtype)
+        expected = torch.clamp(max_norm / (tensor + 1e-6), max=1.0).item()
+        got = _host_coefficient(tensor.item(), max_norm, dtype)
+        if got is None:
+            assert dtype == torch.float32 and abs(max_norm) > 1e30
+            continue
+        same = got == expected or (math.isnan(got) and math.isnan(expected))
+        assert same, f"total {total!r}, max_norm {max_norm!r}: {got!r} vs torch {expected!r}"
+        assert math.copysign(1.0, got) == math.copysign(1.0, expected) or math.isnan(got)
+    assert _host_coefficient(1.0, 1.0, torch.bfloat16) is None  # torch rounds to bf16
+
+
 def test_no_clipping_leaves_cpu_gradients_untouched() -> None:
     """A CPU total below ``max_norm`` scales by exactly 1: the pass is skipped, so the
     gradients keep their values and their version counters."""
