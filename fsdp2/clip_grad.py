@@ -165,15 +165,14 @@ def _scale_(
     # A host-side coefficient of 1 leaves every gradient as it is (x * 1.0 == x, NaN
     # included): skip the pass over them, as Megatron's clipping does. On an
     # accelerator reading it would synchronize, so the product runs as in torch.
+    on_host = total_norm.device.type == "cpu"
     coefficient: torch.Tensor | float | None = None
-    if total_norm.device.type == "cpu":
-        coefficient = _host_coefficient(float(total_norm), max_norm, total_norm.dtype)
-        if coefficient == 1.0:
-            return
+    if on_host and total_norm.dtype in (torch.float32, torch.float64):
+        coefficient = _host_coefficient(total_norm.item(), max_norm, total_norm.dtype)
     if coefficient is None:
         coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        if coefficient.device.type == "cpu" and bool(coefficient == 1.0):
-            return
+    if on_host and bool(coefficient == 1.0):
+        return
     for (device, _), group in _by_device_and_dtype(grads).items():
         scale = coefficient if isinstance(coefficient, float) else coefficient.to(device)
         if not coalesced:  # a product per element: the same bits either way
@@ -211,7 +210,7 @@ def _host_coefficient(total: float, max_norm: float, dtype: torch.dtype) -> floa
     if shifted == 0.0:
         return None
     coefficient = rounded(rounded(1.0 / shifted) * rounded(max_norm))
-    return coefficient if coefficient != coefficient or coefficient <= 1.0 else 1.0
+    return coefficient if math.isnan(coefficient) else min(coefficient, 1.0)
 
 
 def _to_fp32(value: float) -> float:

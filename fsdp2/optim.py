@@ -339,15 +339,14 @@ def _local_group(
         return None
     params: list[torch.Tensor] = []
     entries: list[_Entry] = []
-    checked: list[tuple[torch.Tensor, dict[str, Any], DTensor, _Record, dict[str, Any]]] = []
     for param in group["params"]:
         if not isinstance(param, DTensor):
             params.append(param)  # a plain parameter
             continue
         unchanged = _if_unchanged(param, records.get(id(param)), shared_state)
         if unchanged is not None:
-            params.append(unchanged[0])
-            checked.append(unchanged)
+            params.append(unchanged.alias)
+            entries.append(unchanged)
             continue
         found = _record_of(param, records)
         if found is None:
@@ -360,22 +359,18 @@ def _local_group(
             return None
         params.append(entry.alias)
         entries.append(entry)
-    if not entries and not checked:
+    if not entries:
         return None  # no fsdp2 parameter: the group as it is
     for entry in entries:
         states.add(entry)
-    states.add_checked(checked)
     return _LocalGroup(group, params)
 
 
-def _if_unchanged(
-    param: DTensor, record: _Record | None, shared_state: Any
-) -> tuple[torch.Tensor, dict[str, Any], DTensor, _Record, dict[str, Any]] | None:
+def _if_unchanged(param: DTensor, record: _Record | None, shared_state: Any) -> _Entry | None:
     """The common case of ``_local_entry``, checked by identities only: ``param``'s
     owner, binding, local tensor and its memory, gradient layout and state objects are
-    all those the record checked at an earlier step. Returns the alias, the state's local
-    values, the parameter, its record and its state in the optimizer; None when anything
-    differs or is missing (``_local_entry`` then checks everything)."""
+    all those the record checked at an earlier step. None when anything differs or is
+    missing (``_local_entry`` then checks everything)."""
     if record is None or record.seen is None or record.local is None:
         return None
     owner = record.owner()
@@ -399,7 +394,7 @@ def _if_unchanged(
         return None
     alias = local.detach()
     alias.grad = grad._local_tensor
-    return alias, values, param, record, shared
+    return _Entry(alias, param, record, shared, values)
 
 
 def _local_entry(
@@ -655,13 +650,6 @@ class _LocalStates(dict[torch.Tensor, Any]):
             value = self._fresh(entry)
         dict.__setitem__(self, key, value)
         return value
-
-    def add_checked(
-        self, checked: list[tuple[torch.Tensor, dict[str, Any], DTensor, _Record, dict[str, Any]]]
-    ) -> None:
-        for alias, values, param, record, shared in checked:
-            local = _LocalState(shared, param, alias.shape, values, record)
-            dict.__setitem__(self, alias, local)
 
     def _fresh(self, entry: _Entry) -> _LocalState:
         """An empty state for ``entry``'s parameter, in the optimizer's state too (as
