@@ -7,10 +7,11 @@ promises agreement to a tolerance ([Note: adjacent gradients are one tensor]). T
 optimizer fast path promises more: the same bits as the step on ``DTensor``s. This script
 measures both sides of that choice on the plain tensors of the benchmark configs' shards:
 
-* the time of AdamW (for-loop and ``foreach``) over one flat tensor per fsdp2 group,
-  against the same optimizer over the per-parameter shards (the fast path's floor) and
-  torch's ``DTensor`` step over the same shards (``benchmarks/optimizer.py``'s
-  denominator is the latter; here the ratio is to the per-parameter plain step);
+* the time of AdamW (for-loop and ``foreach``) over one flat tensor per fsdp2 group, and
+  over those flat tensors cut into cache-sized tiles, against the same optimizer over the
+  per-parameter shards (the fast path's floor; here the ratio is to that plain step, and
+  ``benchmarks/optimizer.py`` reports the flat step over torch's ``DTensor`` step as its
+  bound);
 * whether the flat step gives the same bits, for every optimizer the fast path covers,
   each implementation, fp32 and bf16: a vectorized CPU kernel computes the last elements
   of each tensor on its scalar path, so moving a tensor's end changes which elements take
@@ -97,14 +98,24 @@ def _with_grads(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return params
 
 
+# Elements per tile of the tiled layout: with AdamW's four fp32 tensors (parameter,
+# gradient, two moments) one tile is 1 MiB, so all of a tile's ops run from the L2 cache.
+TILE = 65536
+
+
 def timing(groups: list[list[int]], repeats: int) -> dict[str, float]:
+    """Median step times of AdamW over three layouts of the same elements: one tensor per
+    parameter (what the fast path steps), one per group (flat), and the groups' flat
+    tensors cut into tiles of ``TILE`` elements (a cache-blocked flat step)."""
     torch.manual_seed(0)
     per_param = _with_grads([torch.randn(n) for sizes in groups for n in sizes])
     flat = _with_grads([torch.randn(sum(sizes)) for sizes in groups])
+    tiled = _with_grads([tile for t in flat for tile in t.detach().split(TILE)])
     out = {}
     for name, foreach in (("for-loop", False), ("foreach", True)):
         out[f"{name} per parameter"] = _step_time(per_param, foreach, repeats)
         out[f"{name} flat per group"] = _step_time(flat, foreach, repeats)
+        out[f"{name} flat in tiles"] = _step_time(tiled, foreach, repeats)
     return out
 
 
@@ -164,8 +175,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     for impl in ("for-loop", "foreach"):
         per, flat = times[f"{impl} per parameter"], times[f"{impl} flat per group"]
+        tiles = times[f"{impl} flat in tiles"]
         print(f"  {impl}: per parameter {per * 1e3:.2f}, flat per group {flat * 1e3:.2f} "
-              f"({flat / per:.2f}x)")  # fmt: skip
+              f"({flat / per:.2f}x), flat in tiles of {TILE} {tiles * 1e3:.2f} "
+              f"({tiles / per:.2f}x)")  # fmt: skip
     print(f"flat step differs from the per-parameter step in {len(differ)} cases:")
     for dtype, name, impl, gap in differ:
         print(f"  {dtype} {name} {impl}: largest difference {gap:.3g}")

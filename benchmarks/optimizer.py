@@ -14,7 +14,14 @@ timed in alternation, rotating which goes first:
 * ``torch``: ``torch.distributed.fsdp.fully_shard``;
 * ``plain``: the same optimizer (or torch's ``clip_grad_norm_``) on plain tensors holding
   fsdp2's local shards and gradients: no ``DTensor``, no fsdp2, no communication. No
-  implementation on those shards goes below it (the floor).
+  implementation on those shards goes below it (the floor);
+* ``flat`` (steps only, in a round of its own against ``torch`` again, so that the main
+  round's variants find the caches as before): the same optimizer on one plain tensor per
+  fsdp2 group, holding that group's local shards back to back (and its gradients alike):
+  the fewest, largest kernels torch's optimizers can be given. It is not bitwise what the
+  step on the parameters computes (``benchmarks/flat_step.py``), so the fast path does not
+  do it; it is here as a bound: a target below ``flat / torch`` is out of reach of any
+  step that uses torch's optimizer kernels on this machine, bitwise or not.
 
 ``step`` times ``optimizer.step()`` (AdamW, lr 1e-3); ``clip`` times
 ``clip_grad_norm_(model.parameters(), max_norm)`` followed by reading the total norm as
@@ -59,6 +66,10 @@ from benchmarks.meta import host_info, sources  # noqa: E402
 from examples.llama import ModelArgs, Transformer, loss_fn, parallelize  # noqa: E402
 
 VARIANTS = ("fsdp2", "fsdp2-dtensor", "torch", "plain")
+CLIP_VARIANTS = ("fsdp2", "torch", "plain")
+# The flat bound is timed in a round of its own, against torch's step again: one more
+# variant in the main round would change what the others find in the caches.
+BOUND_VARIANTS = ("torch", "flat")
 IMPLEMENTATIONS = {"for-loop": False, "foreach": True}
 
 
@@ -96,6 +107,25 @@ def _plain_shards(model: nn.Module, template: nn.Module, tokens: torch.Tensor) -
         plain.grad = param.grad.to_local().clone()
         setattr(model.get_submodule(module_name), attribute, plain)
     return model
+
+
+def _flat_shards(template: nn.Module, tokens: torch.Tensor) -> nn.Module:
+    """One plain parameter per fsdp2 group holding the group's local shards back to back
+    (the parameters each ``fully_shard`` module manages), with its gradients alike."""
+    sharded = _model("fsdp2", template)
+    _gradients(sharded, tokens, seed=1)
+    seen: set[int] = set()
+    flat = nn.ParameterList()
+    sharded_modules = [m for m in sharded.modules() if isinstance(m, fsdp2.FSDPModule)]
+    for module in reversed(sharded_modules):  # inner modules first: the root takes the rest
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(map(id, params))
+        if not params:
+            continue
+        plain = nn.Parameter(torch.cat([p.to_local().detach().reshape(-1) for p in params]))
+        plain.grad = torch.cat([p.grad.to_local().reshape(-1) for p in params])
+        flat.append(plain)
+    return flat
 
 
 def _step_timer(model: nn.Module, foreach: bool, fast: bool) -> Any:
@@ -157,6 +187,8 @@ def _time(
 
 
 def _variant(variant: str, template: nn.Module, tokens: torch.Tensor) -> nn.Module:
+    if variant == "flat":
+        return _flat_shards(template, tokens)
     model = _model(variant, template)
     if variant == "plain":
         return _plain_shards(model, template, tokens)
@@ -195,9 +227,15 @@ def run_config(
         times = _time(steps, repeats, warmup, clock)
         fsdp2.set_optimizer_fast_path(True)
         result[f"step {impl}"] = {v: statistics.median(t) for v, t in times.items()}
+        bound = {}
+        for variant in BOUND_VARIANTS:
+            model = _variant(variant, template, tokens)
+            bound[variant] = _step_timer(model, foreach, fast=False)
+        times = _time(bound, repeats, warmup, clock)
+        result[f"step {impl}, flat bound"] = {v: statistics.median(t) for v, t in times.items()}
     for what, scaling in (("clip", False), ("clip, scaling", True)):
         clips = {}
-        for variant in ("fsdp2", "torch", "plain"):
+        for variant in CLIP_VARIANTS:
             clips[variant] = _clip_timer(_variant(variant, template, tokens), variant, scaling)
         times = _time(clips, repeats, warmup, clock)
         result[what] = {v: statistics.median(t) for v, t in times.items()}
@@ -208,11 +246,11 @@ def _table(results: list[dict], world_size: int, clock: str, device: str = "cpu"
     lines = [
         f"fake process group, {world_size} ranks, {device} tensors; median ms per call "
         f"({clock} clock); "
-        f"ratios over torch's",
+        f"ratios over torch's (the flat bound over torch's of its own round)",
         "",
-        "| config | what | fsdp2 | fsdp2, fast path off | torch | plain shards | "
-        "**fsdp2 / torch** | off / torch | plain / torch (floor) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| config | what | fsdp2 | fsdp2, fast path off | torch | plain shards | flat | "
+        "**fsdp2 / torch** | off / torch | plain / torch (floor) | flat / torch (bound) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for res in results:
         for what in ("step for-loop", "step foreach", "clip", "clip, scaling"):
@@ -221,6 +259,13 @@ def _table(results: list[dict], world_size: int, clock: str, device: str = "cpu"
             cells = [f"{t[v]:.2f}" if v in t else "-" for v in VARIANTS]
             ratios = [f"{t[v] / theirs:.2f}" if v in t else "-" for v in VARIANTS if v != "torch"]
             ratios[0] = f"**{ratios[0]}**"
+            bound = {v: seconds * 1e3 for v, seconds in res.get(f"{what}, flat bound", {}).items()}
+            if bound:
+                cells.append(f"{bound['flat']:.2f}")
+                ratios.append(f"{bound['flat'] / bound['torch']:.2f}")
+            else:
+                cells.append("-")
+                ratios.append("-")
             lines.append(f"| {res['config']} | {what} | {' | '.join(cells + ratios)} |")
     return "\n".join(lines)
 

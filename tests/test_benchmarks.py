@@ -404,6 +404,8 @@ def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
     (result,) = out["results"]
     for what in ("step for-loop", "step foreach"):
         assert set(result[what]) == set(optimizer.VARIANTS), result[what]
+        # The bound of a step over one tensor per group, timed against torch's again.
+        assert set(result[f"{what}, flat bound"]) == {"torch", "flat"}, result
     assert set(result["clip"]) == {"fsdp2", "torch", "plain"}
     assert set(result["clip, scaling"]) == {"fsdp2", "torch", "plain"}
     written = json.loads((tmp_path / "optimizer.json").read_text())
@@ -411,7 +413,7 @@ def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
 
 
 def test_flat_step_benchmark_compares_flat_and_per_parameter_steps() -> None:
-    """benchmarks/flat_step.py on a shrunk small-many: both step layouts timed, and
+    """benchmarks/flat_step.py on a shrunk small-many: every step layout timed, and
     every reported difference names a covered optimizer (which differ is the CPU's)."""
     from benchmarks import flat_step
 
@@ -419,7 +421,7 @@ def test_flat_step_benchmark_compares_flat_and_per_parameter_steps() -> None:
     assert set(out["times"]) == {
         f"{impl} {layout}"
         for impl in ("for-loop", "foreach")
-        for layout in ("per parameter", "flat per group")
+        for layout in ("per parameter", "flat per group", "flat in tiles")
     }
     for dtype, name, impl, gap in out["differ"]:
         assert dtype in ("float32", "bfloat16") and name in flat_step.OPTIMIZERS, out
