@@ -361,8 +361,9 @@ def _local_group(
         entries.append(entry)
     if not entries:
         return None  # no fsdp2 parameter: the group as it is
+    add = states.add
     for entry in entries:
-        states.add(entry)
+        add(entry)
     return _LocalGroup(group, params)
 
 
@@ -560,20 +561,15 @@ class _LocalState(dict[str, Any]):
     goes to the optimizer's state, a local tensor of the shard's shape as a ``DTensor``,
     and to the record of what the fast path has checked."""
 
-    __slots__ = ("_local_shape", "_param", "_record", "_shared")
+    __slots__ = ("_param", "_record", "_shared")
 
     def __init__(
-        self,
-        shared: dict[str, Any],
-        param: DTensor,
-        local_shape: torch.Size,
-        values: dict[str, Any],
-        record: _Record,
+        self, shared: dict[str, Any], param: DTensor, values: dict[str, Any], record: _Record
     ) -> None:
-        super().__init__(values)
+        # One per parameter and step: dict's own __init__, not super()'s lookup.
+        dict.__init__(self, values)
         self._shared = shared
         self._param = param
-        self._local_shape = local_shape
         self._record = record
         if record.seen is None:
             record.seen = {key: _token(value) for key, value in shared.items()}
@@ -586,7 +582,11 @@ class _LocalState(dict[str, Any]):
             seen[key] = _token(shared)
 
     def _as_shared(self, key: str, value: Any) -> Any:
-        if type(value) is not torch.Tensor or value.dim() == 0 or value.shape != self._local_shape:
+        if (
+            type(value) is not torch.Tensor
+            or value.dim() == 0
+            or value.shape != self._param._local_tensor.shape
+        ):
             return value
         current = self._shared.get(key)
         if isinstance(current, DTensor) and current._local_tensor is value:
@@ -637,9 +637,7 @@ class _LocalStates(dict[torch.Tensor, Any]):
         if entry.shared is None or entry.values is None:
             self._new[entry.alias] = entry
             return
-        local = _LocalState(
-            entry.shared, entry.param, entry.alias.shape, entry.values, entry.record
-        )
+        local = _LocalState(entry.shared, entry.param, entry.values, entry.record)
         dict.__setitem__(self, entry.alias, local)
 
     def __missing__(self, key: torch.Tensor) -> Any:
@@ -656,7 +654,7 @@ class _LocalStates(dict[torch.Tensor, Any]):
         torch's ``defaultdict`` creates it on first access)."""
         entry.record.seen = None
         shared = self._shared[entry.param]
-        return _LocalState(shared, entry.param, entry.alias.shape, {}, entry.record)
+        return _LocalState(shared, entry.param, {}, entry.record)
 
     def __contains__(self, key: object) -> bool:
         if dict.__contains__(self, key):
