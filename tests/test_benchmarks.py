@@ -383,6 +383,7 @@ def test_trace_variant(tmp_path: Path) -> None:
 def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
     """benchmarks/optimizer.py on a shrunk small-many: every variant timed, ratios
     printable (no timing asserted)."""
+    import fsdp2.optim
     from benchmarks import optimizer
 
     out = optimizer.main(
@@ -408,6 +409,8 @@ def test_optimizer_benchmark_runs_and_reports_ratios(tmp_path: Path) -> None:
         assert set(result[f"{what}, flat bound"]) == {"torch", "flat"}, result
     assert set(result["clip"]) == {"fsdp2", "torch", "plain"}
     assert set(result["clip, scaling"]) == {"fsdp2", "torch", "plain"}
+    # Every round leaves the process's switch as it found it (on).
+    assert fsdp2.optim.optimizer_fast_path_enabled()
     written = json.loads((tmp_path / "optimizer.json").read_text())
     assert written["world_size"] == 2 and written["device"] == "cpu"
 
