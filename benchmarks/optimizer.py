@@ -99,8 +99,7 @@ def _gradients(model: nn.Module, tokens: torch.Tensor, seed: int) -> None:
 def _plain_shards(model: nn.Module, template: nn.Module, tokens: torch.Tensor) -> nn.Module:
     """``template``'s parameters replaced by plain tensors holding an fsdp2 model's local
     shards and gradients (the floor: the same kernels, no ``DTensor`` and no fsdp2)."""
-    sharded = _model("fsdp2", template)
-    _gradients(sharded, tokens, seed=1)
+    sharded = _variant("fsdp2", template, tokens)
     for (name, _), param in zip(list(model.named_parameters()), sharded.parameters()):
         module_name, _, attribute = name.rpartition(".")
         plain = nn.Parameter(param.to_local().clone())
@@ -112,8 +111,7 @@ def _plain_shards(model: nn.Module, template: nn.Module, tokens: torch.Tensor) -
 def _flat_shards(template: nn.Module, tokens: torch.Tensor) -> nn.Module:
     """One plain parameter per fsdp2 group holding the group's local shards back to back
     (the parameters each ``fully_shard`` module manages), with its gradients alike."""
-    sharded = _model("fsdp2", template)
-    _gradients(sharded, tokens, seed=1)
+    sharded = _variant("fsdp2", template, tokens)
     seen: set[int] = set()
     flat = nn.ParameterList()
     sharded_modules = [m for m in sharded.modules() if isinstance(m, fsdp2.FSDPModule)]

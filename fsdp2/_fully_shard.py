@@ -651,7 +651,9 @@ class FSDPModule:
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         raise NotImplementedError(
             f"{type(self).__name__}.set_symm_mem_for_comm: symmetric-memory collectives are "
-            f"not supported by fsdp2 yet."
+            f"not supported by fsdp2 yet (backend={backend!r}). Drop the call to keep the "
+            f"default collectives, or allocate the communication buffers from symmetric "
+            f"memory yourself with set_custom_all_gather / set_custom_reduce_scatter."
         )
 
     def reset_iter_state(self) -> None:

@@ -532,7 +532,7 @@ EXPECTED: dict[str, tuple[str, str]] = {
         "ValueError",
         r"set_separate_reduce_scatter_group expects a bool, got 1",
     ),
-    "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory"),
+    "symm_mem_for_comm": ("NotImplementedError", r"symmetric-memory.*set_custom_all_gather"),
     "process_group_allocated_buffers_not_bool": (
         "TypeError",
         r"FSDPBlock\.set_allocate_memory_from_process_group_for_comm expects a bool, got 1",
