@@ -28,6 +28,7 @@ gradients up to the order of the floating-point sums.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import types
@@ -116,6 +117,8 @@ def _total_norm(
     if copied and runs is not None:
         runs.clear()
     total = _reduce_over_sets(partial, norm_type)
+    if norm_type == 0.0:  # a count of fp32 flags: in the dtype torch's stacked norms have
+        total = total.to(functools.reduce(torch.promote_types, {t.dtype for t in listed}))
     if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
         raise RuntimeError(
             f"fsdp2.get_total_norm: the total norm of order {norm_type} of the gradients is "
@@ -354,7 +357,10 @@ def _local_norm(
     """The norm of one set's local tensors, as torch's ``get_total_norm`` takes it
     (``runs``: see ``_total_norm``). Empty shards (a rank past the last row of an
     unevenly sharded tensor) contribute nothing; the max norm of an empty tensor is an
-    error in torch, on one rank only."""
+    error in torch, on one rank only. The 0-"norm" returns per-tensor flags instead
+    ([Note: the 0-"norm" counts whole tensors])."""
+    if norm_type == 0.0:
+        return _nonzero_flags(tensors, foreach, device, runs)
     norms: list[torch.Tensor] = []
     # Coalesced first, then grouped: a run has one base, hence one device, and one dtype,
     # so grouping the runs groups their members (in the same order, torch's grouping).
@@ -377,6 +383,37 @@ def _local_norm(
         identity = math.inf if norm_type == -math.inf else 0.0
         return torch.tensor(identity, dtype=tensors[0].dtype, device=device)
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def _nonzero_flags(
+    tensors: list[torch.Tensor],
+    foreach: bool | None,
+    device: torch.device,
+    runs: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """One fp32 flag per tensor of ``tensors``, in an order every rank shares: 1 where
+    its local part holds a nonzero element. Empty parts are flagged 0, not dropped, so
+    the flag vectors of all ranks line up for the all-reduce.
+
+    [Note: the 0-"norm" counts whole tensors]
+    torch's ``get_total_norm`` takes the norm of the per-tensor norms, so for
+    ``norm_type=0`` it returns the number of *tensors* with a nonzero element, not the
+    number of nonzero elements. That count does not compose from per-rank or per-run
+    scalars the way ``sum |x|**p`` does for every other order: a tensor nonzero on two
+    ranks is one tensor, and a coalesced run holds several. So the 0-"norm" keeps one
+    flag per tensor, not coalesced, takes the ``MAX`` of each flag over the tensor's
+    sharded dims (nonzero anywhere), and counts the flags."""
+    if runs is not None:  # scaling still runs over the coalesced tensors
+        for _, group in _by_device_and_dtype(coalesce_adjacent(tensors)).items():
+            runs.extend(group)
+    flags: list[torch.Tensor] = []
+    for (tensor_device, _), group in _by_device_and_dtype(tensors).items():
+        if _use_foreach(group, tensor_device, foreach):
+            counts = list(torch._foreach_norm(group, 0.0))
+        else:
+            counts = [torch.linalg.vector_norm(t, 0.0) for t in group]
+        flags += [c.to(device=device, dtype=torch.float32) for c in counts]
+    return torch.stack(flags).clamp_(max=1.0)
 
 
 # Norms over coalesced runs accumulate in float like torch's per-tensor norms but round
@@ -455,15 +492,18 @@ def _flush(run: list[torch.Tensor], end: int | torch.SymInt, out: list[torch.Ten
 def _reduce_over_sets(partial: dict[SetKey, torch.Tensor], norm_type: float) -> torch.Tensor:
     """Combine the per-set local norms into the total norm, with one all-reduce per set
     (nested sets folded together); see [Note: one all-reduce per set of sharded mesh
-    dims]."""
+    dims]. The 0-"norm" reduces per-tensor flags instead ([Note: the 0-"norm" counts
+    whole tensors])."""
+    if norm_type == 0.0:
+        return _count_flags_over_sets(partial)
     if norm_type == math.inf:
         op, combine = dist.ReduceOp.MAX, torch.maximum
     elif norm_type == -math.inf:
         op, combine = dist.ReduceOp.MIN, torch.minimum
     else:
         op, combine = dist.ReduceOp.SUM, torch.add
-    power = norm_type not in (0.0, 1.0, math.inf, -math.inf)
-    # The contributions to reduce: norm ** p (a 0-"norm" counts nonzeros: summed as is).
+    power = norm_type not in (1.0, math.inf, -math.inf)
+    # The contributions to reduce: norm ** p.
     pending: dict[SetKey, torch.Tensor] = {
         key: norm.pow(norm_type) if power else norm for key, norm in partial.items()
     }
@@ -480,6 +520,20 @@ def _reduce_over_sets(partial: dict[SetKey, torch.Tensor], norm_type: float) -> 
         pending[rest] = combine(pending[rest], reduced) if rest in pending else reduced
     total = pending[()]
     return total.pow(1.0 / norm_type) if power else total
+
+
+def _count_flags_over_sets(flags: dict[SetKey, torch.Tensor]) -> torch.Tensor:
+    """The number of tensors flagged nonzero on some rank: each set's flags take the
+    ``MAX`` over each of its sharded dims (sets in the order the gradients first showed
+    them, the same on every rank), then all flags are counted."""
+    total: torch.Tensor | None = None
+    for key, set_flags in flags.items():
+        for group in key:
+            set_flags = _all_reduce(set_flags, dist.ReduceOp.MAX, group)
+        count = set_flags.sum()
+        total = count if total is None else total + count
+    assert total is not None  # one set at least: the caller has a gradient
+    return total
 
 
 def _all_reduce(value: torch.Tensor, op: Any, group: dist.ProcessGroup) -> torch.Tensor:

@@ -202,8 +202,55 @@ def test_bad_input_is_a_clear_error() -> None:
     assert errors["total_norm"].startswith("TypeError") and "total_norm" in errors["total_norm"]
 
 
+def rank_other_orders(layout: str, norm_type: float) -> dict:
+    """``norm_type`` 0, between 0 and 1, or negative, on ``layout``: for the 0-"norm" one
+    gradient is zero everywhere and another only in rank 0's shard, so the count of
+    nonzero tensors (torch's 0-"norm", [Note: the 0-"norm" counts whole tensors]) differs
+    from a count of nonzero shards, runs or elements."""
+    model, params = _sharded(layout)
+    if norm_type == 0.0:
+        with torch.no_grad():
+            _local(model.up.bias.grad).zero_()
+            if dist.get_rank() == 0:
+                _local(model.down.weight.grad).zero_()
+    full_grads = [_full(p.grad).clone() for p in params]
+    expected = torch.nn.utils.get_total_norm(full_grads, norm_type)
+    total = fsdp2.get_total_norm([p.grad for p in params], norm_type)
+    clipped_total = fsdp2.clip_grad_norm_(params, 0.1, norm_type)
+    coefficient = min(1.0, 0.1 / (float(expected) + 1e-6))
+    worst = max(
+        ((_full(p.grad) - f * coefficient).abs().max() / f.abs().max().clamp_min(1e-30)).item()
+        for p, f in zip(params, full_grads)
+    )
+    return {
+        "totals": (float(total), float(clipped_total), float(expected)),
+        "dtype": (total.dtype, expected.dtype),
+        "clip_error": worst,
+    }
+
+
+@pytest.mark.parametrize(
+    ("layout", "world_size"), [("fsdp", 2), ("mixed", 2), ("fsdp", 4), ("hsdp", 4), ("fsdp_tp", 4)]
+)
+@pytest.mark.parametrize("norm_type", [0.0, 0.5, -1.0, -math.inf])
+def test_other_norm_orders_match_torch(layout: str, world_size: int, norm_type: float) -> None:
+    """Orders whose total does not compose like ``sum |x| ** p`` in the obvious way: the
+    0-"norm" counts tensors, negative orders are dominated by the smallest elements, and
+    ``-inf`` takes the minimum (an empty shard at 4 ranks must not supply it)."""
+    reports = run_ranks(rank_other_orders, world_size, layout, norm_type)
+    for rank, rep in enumerate(reports):
+        total, clipped_total, expected = rep["totals"]
+        if norm_type == 0.0:
+            assert total == clipped_total == expected, (rank, layout, rep["totals"])
+        else:
+            for value in (total, clipped_total):
+                assert abs(value - expected) <= REL * abs(expected), (rank, rep["totals"])
+        assert rep["dtype"][0] == rep["dtype"][1], rep
+        assert rep["clip_error"] <= REL, rep
+
+
 @pytest.mark.parametrize("foreach", [None, False, True])
-@pytest.mark.parametrize("norm_type", [2.0, math.inf, 0.5])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 0.5, 0.0, -1.0])
 def test_plain_tensors_are_torchs_function(foreach: bool | None, norm_type: float) -> None:
     """Without DTensors (no process group needed) the result is torch's, bitwise."""
     torch.manual_seed(0)
@@ -306,6 +353,20 @@ def test_views_of_one_buffer_clip_as_torch(dtype: torch.dtype, foreach: bool | N
     coefficient = torch.clamp(1.0 / (total + 1e-6), max=1.0)
     assert coefficient.item() < 1.0
     assert all(torch.equal(a.grad, g * coefficient) for a, g in zip(ours, originals))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_norm_of_views_counts_tensors_not_runs(dtype: torch.dtype) -> None:
+    """torch's 0-"norm" of gradients is the number of gradients with a nonzero element.
+    Views of one buffer would coalesce into one run; the count must still be per view:
+    here 2 of 3 views are nonzero (1 run, 13 nonzero elements)."""
+    flat = torch.randn(20).to(dtype)
+    flat[4:9] = 0
+    views = [flat[0:4], flat[4:9], flat[9:20]]
+    expected = torch.nn.utils.get_total_norm([v.clone() for v in views], 0.0)
+    for foreach in (None, False):
+        total = fsdp2.get_total_norm(views, 0.0, foreach=foreach)
+        assert torch.equal(total, expected) and float(total) == 2.0, (foreach, total)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
