@@ -6,7 +6,8 @@
 #
 #   1. the CUDA cases of tests/test_device.py (NCCL world size 1, and the fake process group
 #      with CUDA tensors): parity with torch and the non-sharded model, CPU offload, no memory
-#      kept across steps;
+#      kept across steps; the optimizer fast path with CUDA's foreach and fused kernels and
+#      capturable=True, bitwise against a plain replay and the DTensor path;
 #   2. optimizer.step() (AdamW for-loop and foreach) and clip_grad_norm_ on CUDA tensors,
 #      8-rank fake process group: fsdp2's fast path, the DTensor path, torch's fully_shard
 #      and plain shards (benchmarks/optimizer.py --device cuda), the issue-26 ratios; early,

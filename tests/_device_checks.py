@@ -5,6 +5,7 @@ process (whose rank pools fork) and each phase gets a clean process group::
 
     python tests/_device_checks.py --device cuda --phase one-rank
     python tests/_device_checks.py --device cuda --phase fake-4
+    python tests/_device_checks.py --device cuda --phase optim
 
 It prints one JSON object on its last line. ``tests/test_device.py`` runs both phases on the
 CPU in every suite (so this script cannot rot on machines without a GPU) and on CUDA when a
@@ -17,6 +18,14 @@ GPU is visible (marked ``gpu``).
   stream) and an inference pass sit between steps. Reported: the worst parameter
   difference against the reference (fp32) and against torch (bf16), and on CUDA the
   allocated memory after every step (it must not grow) and each implementation's peak.
+* ``optim``: the optimizer fast path on the device, 1-rank process group: every
+  optimizer the fast path takes, in each implementation the device has (for-loop,
+  ``foreach``, ``fused``) and with ``capturable=True`` where the device supports it
+  (CUDA: torch raises for it on the CPU), fp32 and bf16 parameters. Each run is compared
+  bitwise with the same optimizer replayed on plain tensors holding the same initial
+  values and gradients, and with torch's ``DTensor`` path where that path runs; the
+  fast path's ``step()`` must dispatch no ``DTensor`` op. Reported: the cases run and
+  every mismatch, by name.
 * ``fake-4``: torch's fake process group of 4 ranks, so the multi-rank paths (copy-out
   from the rank-major all-gather output, reduce-scatter input, the side streams) run on
   the device; the collectives move no data, so only completion and counts are reported.
@@ -233,16 +242,184 @@ def fake_four(device: torch.device) -> dict[str, Any]:
     return {"counts": counts, "steps": 2, "groups": ARGS.n_layers + 1, "loss_finite": finite}
 
 
+# The optimizers of the ``optim`` phase, with settings that exercise their state.
+OPTIMIZERS: list[tuple[type, dict[str, Any]]] = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 0.01, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.Adagrad, {"lr": 0.1}),
+    (torch.optim.RMSprop, {"lr": 0.01, "centered": True, "momentum": 0.5}),
+    (torch.optim.NAdam, {"lr": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.1}),
+    (torch.optim.RAdam, {"lr": 0.01}),
+    (torch.optim.Adamax, {"lr": 0.01}),
+    (torch.optim.Adadelta, {"lr": 1.0}),
+    (torch.optim.ASGD, {"lr": 0.01, "t0": 1.0}),
+    (torch.optim.Rprop, {"lr": 0.01}),
+]
+
+
+def _optim_cases(device: torch.device) -> list[tuple[str, type, dict[str, Any], torch.dtype]]:
+    """(label, class, keyword arguments, parameter dtype) for the ``optim`` phase."""
+    import inspect
+
+    from torch.optim.optimizer import _get_capturable_supported_devices
+
+    capturable_here = device.type in _get_capturable_supported_devices()
+    cases = []
+    for cls, kwargs in OPTIMIZERS:
+        accepts = inspect.signature(cls.__init__).parameters
+        impls: list[dict[str, Any]] = [{"foreach": False}, {"foreach": True}]
+        if "fused" in accepts:
+            impls.append({"fused": True})
+        if "capturable" in accepts and capturable_here:
+            impls += [{"foreach": False, "capturable": True}, {"foreach": True, "capturable": True}]
+        for impl in impls:
+            label = f"{cls.__name__} {impl}"
+            cases.append((label, cls, {**kwargs, **impl}, torch.float32))
+    for impl in ({"foreach": True}, {"fused": True}):
+        cases.append(
+            (f"AdamW bf16 {impl}", torch.optim.AdamW, {"lr": 0.01, **impl}, torch.bfloat16)
+        )
+    return cases
+
+
+class _DTensorOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops dispatched with a ``DTensor`` argument while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_flatten
+
+        if any(isinstance(t, DTensor) for t in tree_flatten((args, kwargs or {}))[0]):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _optim_run(
+    device: torch.device,
+    mesh: Any,
+    cls: type,
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    fast: bool,
+) -> dict[str, Any]:
+    """Three steps of a sharded MLP with ``cls(**kwargs)``; what the comparisons need."""
+    fsdp2.set_optimizer_fast_path(fast)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)
+    ).to(device=device, dtype=dtype)
+    fsdp2.fully_shard(model[0], mesh=mesh)
+    fsdp2.fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    initial = [p.to_local().detach().clone() for p in params]
+    optimizer = cls(params, **kwargs)
+    grads, dispatches = [], 0
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(4, 16, generator=gen).to(device=device, dtype=dtype)
+        model(x).float().square().mean().backward()
+        grads.append([p.grad.to_local().detach().clone() for p in params])
+        counter = _DTensorOps()
+        with counter:
+            optimizer.step()
+        dispatches += counter.count
+        optimizer.zero_grad()
+    return {
+        "params": [p.to_local().detach() for p in params],
+        "state": [_local_state(optimizer.state[p]) for p in params],
+        "initial": initial,
+        "grads": grads,
+        "dispatches": dispatches,
+    }
+
+
+def _local_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()}
+
+
+def _optim_replay(run: dict[str, Any], cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The same optimizer on plain tensors with the run's initial values and gradients."""
+    params = [torch.nn.Parameter(t.clone()) for t in run["initial"]]
+    optimizer = cls(params, **kwargs)
+    for grads in run["grads"]:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        optimizer.step()
+    return {
+        "params": [p.detach() for p in params],
+        "state": [_local_state(optimizer.state[p]) for p in params],
+    }
+
+
+def _optim_mismatches(label: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    bad = [
+        f"{label}: param {i}"
+        for i, (x, y) in enumerate(zip(a["params"], b["params"]))
+        if not torch.equal(x, y)
+    ]
+    for i, (sa, sb) in enumerate(zip(a["state"], b["state"])):
+        if sa.keys() != sb.keys():
+            bad.append(f"{label}: state {i} keys {sorted(sa)} vs {sorted(sb)}")
+            continue
+        for key, value in sa.items():
+            other = sb[key]
+            same = (
+                torch.equal(torch.as_tensor(value).cpu(), torch.as_tensor(other).cpu())
+                if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor)
+                else value == other
+            )
+            if not same:
+                bad.append(f"{label}: state {i}/{key}")
+    return bad
+
+
+def optim_paths(device: torch.device) -> dict[str, Any]:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ran: list[str] = []
+    dtensor_path_raised: list[str] = []
+    bad: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        mesh = init_device_mesh(device.type, (1,))
+        try:
+            for label, cls, kwargs, dtype in _optim_cases(device):
+                fast = _optim_run(device, mesh, cls, kwargs, dtype, fast=True)
+                ran.append(label)
+                if fast["dispatches"]:
+                    bad.append(f"{label}: {fast['dispatches']} DTensor ops in step()")
+                bad += _optim_mismatches(
+                    f"{label} vs plain", fast, _optim_replay(fast, cls, kwargs)
+                )
+                try:
+                    slow = _optim_run(device, mesh, cls, kwargs, dtype, fast=False)
+                except (RuntimeError, NotImplementedError, AssertionError) as error:
+                    # torch's DTensor path lacks some kernels (fused SGD/Adagrad, Rprop):
+                    # the plain replay is the reference.
+                    dtensor_path_raised.append(f"{label}: {str(error).splitlines()[0][:120]}")
+                    continue
+                bad += _optim_mismatches(f"{label} vs DTensor path", fast, slow)
+        finally:
+            fsdp2.set_optimizer_fast_path(True)
+            dist.destroy_process_group()
+    return {"cases": ran, "mismatches": bad, "dtensor_path_raised": dtensor_path_raised}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--phase", choices=("one-rank", "fake-4"), required=True)
+    parser.add_argument("--phase", choices=("one-rank", "fake-4", "optim"), required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    result = one_rank(device) if args.phase == "one-rank" else fake_four(device)
+    phases = {"one-rank": one_rank, "fake-4": fake_four, "optim": optim_paths}
+    result = phases[args.phase](device)
     print(json.dumps(result))
 
 

@@ -208,7 +208,7 @@ def test_gpu_session_script_runs_to_the_missing_device(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stdout + done.stderr
     tests_log = (tmp_path / "gpu_tests.log").read_text()
-    assert "2 skipped, 2 deselected" in tests_log, tests_log
+    assert "3 skipped, 3 deselected" in tests_log, tests_log
     bench_log = (tmp_path / "gpu_bench.log").read_text()
     assert "--device cuda: no CUDA device is visible" in bench_log, bench_log
     optimizer_log = (tmp_path / "gpu_optimizer.log").read_text()

@@ -85,3 +85,15 @@ def test_fake_four_ranks_run_on_the_device(device: str) -> None:
     # Root kept unsharded after forward: every block gathers twice, the root once.
     assert report["counts"]["all_gather"] == steps * (2 * (groups - 1) + 1), report
     assert report["counts"]["reduce_scatter"] == steps * groups, report
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optimizer_fast_path_on_the_device(device: str) -> None:
+    """The fast path with the device's own kernels: CUDA's multi-tensor and fused
+    kernels and ``capturable=True`` run only there."""
+    report = _run(device, "optim")
+    assert report["mismatches"] == [], report["mismatches"][:10]
+    capturable = [case for case in report["cases"] if "capturable" in case]
+    # 11 optimizers x (for-loop, foreach), fused for 4, 2 bf16 cases; capturable on CUDA.
+    assert len(report["cases"]) - len(capturable) == 28, report["cases"]
+    assert bool(capturable) == (device == "cuda"), report["cases"]
