@@ -233,6 +233,25 @@ def test_auto_keeps_one_group_per_large_block() -> None:
     assert auto.groups == ["layers.0", "layers.1", "layers.2", ""]
 
 
+def test_auto_takes_layers_that_differ_as_blocks() -> None:
+    """A layer stack whose layers differ in their parameters (T5's first block holds the
+    relative position bias, DeepSeek's first layers are dense where the rest are
+    mixture-of-experts): each layer is still a block, not its projections. Here layer 0's
+    feed-forward is twice as wide; before, the plan grouped q/k/v/o and w1/w2/w3 of the
+    other layers instead ([Note: automatic grouping])."""
+    from examples.llama import FeedForward
+
+    model, tokens = _tiny_llama(layers=3, dim=256), _tokens()
+    with torch.device("meta"):
+        model.layers[0].feed_forward = FeedForward(256, 512)
+    shapes = {tuple(p.shape for p in layer.parameters()) for layer in model.layers}
+    assert len(shapes) == 2  # the layers really differ
+    auto = _plan(model, tokens, min_group_bytes="1MiB")
+    assert auto.groups == ["layers.0", "layers.1", "layers.2", ""]
+    # The projections inside the layers are not groups of their own.
+    assert not any("attention" in str(g) for g in auto.groups)
+
+
 def test_auto_keeps_tied_parameters_in_one_group() -> None:
     """The tied embedding and output (4 MiB, above the merge size) get one group together;
     the plan applies and trains (fully_shard refuses a parameter in two groups)."""

@@ -3,7 +3,11 @@
 [Note: automatic grouping]
 1. **Units.** The repeated blocks come first, as torchtitan wraps by hand: the outermost
    runs of sibling modules of one class with the same parameter shapes (``layers.0``,
-   ``layers.1``...). Every other module with parameters that holds no block is a unit
+   ``layers.1``...). In a layer stack (a ``ModuleList`` or ``ModuleDict``) one class is
+   enough: its layers are blocks even where their parameters differ, as T5's first block
+   holds the relative position bias and DeepSeek's first layers are dense where the
+   rest are mixture-of-experts; torchtitan and accelerate wrap each of them, and
+   descending into them would group their projections instead. Every other module with parameters that holds no block is a unit
    too, the largest such (``tok_embeddings``, ``norm``, ``output``); a unit whose forward
    never runs (a container) gives way to its children. Units that share a parameter
    (tied weights) are one unit: fully_shard refuses a parameter in two groups.
@@ -35,6 +39,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from torch import nn
+
 from fsdp2.plan._evaluate import Evaluation, Planner, Reshard
 from fsdp2.plan._model import Group, ModelInfo
 from fsdp2.plan._sharding_plan import CATEGORY_NAMES, format_bytes
@@ -64,22 +70,26 @@ def default_min_group_bytes(device_type: str) -> int:
 
 
 # -- units -----------------------------------------------------------------------------------
-def _signature(info: ModelInfo, m: int) -> tuple[object, ...]:
-    shapes = tuple(
+def _signature(info: ModelInfo, m: int, shapes: bool) -> tuple[object, ...]:
+    if not shapes:
+        return (type(info.modules[m]),)
+    found = tuple(
         info.params[p].shape for sub in info.subtree(m) for _, p in info.local_params[sub]
     )
-    return (type(info.modules[m]), shapes)
+    return (type(info.modules[m]), found)
 
 
 def repeated_blocks(info: ModelInfo) -> list[int]:
-    """The outermost runs of sibling modules of one class and parameter shapes."""
+    """The outermost runs of sibling modules of one class and parameter shapes (of one
+    class in a layer stack: see [Note: automatic grouping])."""
     blocks: list[int] = []
 
     def visit(m: int) -> None:
         kids = [c for c in info.children[m] if info.subtree_param_count(c)]
-        counts = Counter(_signature(info, c) for c in kids)
+        stack = isinstance(info.modules[m], (nn.ModuleList, nn.ModuleDict))
+        counts = Counter(_signature(info, c, shapes=not stack) for c in kids)
         for c in info.children[m]:
-            if c in kids and counts[_signature(info, c)] >= 2:
+            if c in kids and counts[_signature(info, c, shapes=not stack)] >= 2:
                 blocks.append(c)
             else:
                 visit(c)
