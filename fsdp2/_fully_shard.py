@@ -31,6 +31,7 @@ from fsdp2._init import (
     collect_params,
     mark_composable,
     mark_managed,
+    mark_managed_modules,
     mark_replaced,
     mesh_device,
     move_states_to_device,
@@ -178,6 +179,7 @@ def fully_shard(
         m._fsdp_state = state  # type: ignore[assignment]
         m.__class__ = _fsdp_class(type(m))
     mark_composable(modules)
+    mark_managed_modules(modules)
     # Each module's class is now an FSDPModule subclass (assigned just above).
     fsdp_modules = [cast(FSDPModule, m) for m in modules]
     return fsdp_modules if isinstance(module, (list, tuple)) else fsdp_modules[0]

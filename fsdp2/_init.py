@@ -499,6 +499,33 @@ def mark_composable(modules: tuple[nn.Module, ...]) -> None:
         registry.setdefault("fully_shard", item)
 
 
+def mark_managed_modules(modules: tuple[nn.Module, ...]) -> None:
+    """Flag the modules this call manages (``modules`` and their submodules, down to those
+    a nested ``fully_shard`` call manages) as torch's ``fully_shard`` flags them.
+
+    [Note: modules flagged as FSDP-managed]
+    torch's ``fully_shard`` sets ``_is_fsdp_managed_module`` and ``_fsdp_use_orig_params``
+    on every module it manages, and other libraries read them as the mark of FSDP. Dynamo
+    traces such modules unspecialized (parameters as graph inputs, no guards on the
+    module's parameters). transformers' ``generate`` turns ``synced_gpus`` on for them:
+    a rank whose sequences have all finished keeps running forwards, and so keeps
+    issuing the all-gathers its peers' forwards wait for, until every rank has finished.
+    Without the flags, generation with per-rank prompts or sampling leaves the ranks
+    still generating waiting on a rank that has returned."""
+    tops = set(modules)
+
+    def visit(module: nn.Module) -> None:
+        if module not in tops and getattr(module, "_fsdp_state", None) is not None:
+            return  # a nested call manages it and flagged it
+        module._is_fsdp_managed_module = True  # type: ignore[assignment]
+        module._fsdp_use_orig_params = True  # type: ignore[assignment]
+        for child in module.children():
+            visit(child)
+
+    for top in modules:
+        visit(top)
+
+
 def _composable_contract() -> Any:
     """torch's ``_composable.contract`` module, or None where it lacks the registry."""
     try:

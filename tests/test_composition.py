@@ -244,3 +244,35 @@ def test_composable_api_surface(impl: str) -> None:
     assert "can only be applied to a module once" in facts["again"][1]
     assert facts["deepcopy"][0], facts["deepcopy"]
     assert "FSDP does not support deepcopy" in facts["deepcopy"][1]
+
+
+def _managed_flags(impl: str) -> list[str]:
+    """The modules flagged ``_is_fsdp_managed_module`` (with ``_fsdp_use_orig_params``)
+    after sharding two blocks, a list group of two more and the root, one leaf ignored."""
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(4)])
+    fully_shard(model[0])
+    fully_shard(model[1])
+    fully_shard([model[2], model[3]])
+    fully_shard(model, ignored_params={model[3][0].bias})
+    flagged = []
+    for name, module in model.named_modules():
+        managed = getattr(module, "_is_fsdp_managed_module", False)
+        if managed != getattr(module, "_fsdp_use_orig_params", False):
+            flagged.append(f"{name or '<root>'}: flags disagree")
+        if managed:
+            flagged.append(name or "<root>")
+    return flagged
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_managed_modules_are_flagged_as_torch_flags_them(impl: str) -> None:
+    """[Note: modules flagged as FSDP-managed]: Dynamo and transformers' ``generate``
+    (``synced_gpus``) recognize FSDP by these flags. Without them ``generate`` with
+    per-rank prompts or sampling left the ranks still generating waiting on the first
+    rank to finish (torch's modules are flagged, so torch's run finished)."""
+    require_impl(impl)
+    flagged = run_ranks(_managed_flags, 1, impl)[0]
+    every = ["<root>"] + [f"{i}{sub}" for i in range(4) for sub in ("", ".0", ".1")]
+    assert sorted(flagged) == sorted(every), flagged

@@ -183,3 +183,33 @@ def test_transformers_models_with_fsdp2_clipping(kind: str) -> None:
         for name, value in mine["params"].items():
             diff = (value - ref[name]).abs().max().item()
             assert diff <= TOL, f"rank {rank}: {name} is {diff:.3g} off the non-sharded model"
+
+
+def _generate(impl: str) -> tuple[int, ...]:
+    """Sampled generation with a per-rank seed and the default ``synced_gpus``: the
+    ranks' sequences end at different steps (a 6-token vocabulary with an end token)."""
+    import transformers as hf
+
+    fully_shard = get_fully_shard(impl)
+    torch.manual_seed(0)
+    config = hf.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = hf.LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    torch.manual_seed(100 + dist.get_rank())
+    out = model.generate(torch.tensor([[1, 3, 4]]), max_new_tokens=40, do_sample=True)
+    return tuple(out.shape)
+
+
+@needs_transformers
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_transformers_generate_keeps_the_ranks_in_step(impl: str) -> None:
+    """transformers turns ``synced_gpus`` on for modules flagged as FSDP-managed ([Note:
+    modules flagged as FSDP-managed]): a rank whose sequence ended keeps running
+    forwards until every rank's has. Without the flags fsdp2's run hung here."""
+    shapes = run_ranks(_generate, 2, impl, timeout=120)
+    assert len(shapes) == 2, shapes
