@@ -64,6 +64,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -504,7 +505,10 @@ def wait_watching_peers(work: Any, issued: Issued) -> None:
     except TypeError:  # a Work without a timeout argument (test process groups)
         work.wait()
         return
-    except RuntimeError:
+    except RuntimeError as error:
+        if _timed_wait_unsupported(error):
+            work.wait()
+            return
         if _finished(work):
             raise
     group = issued.process_group
@@ -536,6 +540,18 @@ def wait_watching_peers(work: Any, issued: Issued) -> None:
         except RuntimeError:
             if _finished(work):
                 raise
+
+
+_NO_TIMED_WAIT = re.compile(r"timeout.*not (implemented|supported)", re.IGNORECASE)
+
+
+def _timed_wait_unsupported(error: RuntimeError) -> bool:
+    """Whether ``error`` says the Work cannot wait with a finite timeout, rather than that
+    the collective failed: torch's ``FutureWrappingWork`` (its ``threaded`` test process
+    group, which torch's own multi-threaded FSDP tests run on) raises "wait() with finite
+    timeout not implemented". Such a Work is waited on as a whole, without watching for
+    peers' reports, as torch's ``fully_shard`` waits on it."""
+    return _NO_TIMED_WAIT.search(str(error)) is not None
 
 
 def process_group_timeout(group: Any) -> float | None:

@@ -566,6 +566,26 @@ def test_process_group_without_a_store() -> None:
         assert "fsdp2.set_divergence_checks(False)" in message, message
 
 
+def test_process_group_whose_work_cannot_wait_with_a_timeout() -> None:
+    """torch's in-process ``threaded`` backend (two threads as two ranks; torch's own
+    multi-threaded FSDP tests run on it) raises "wait() with finite timeout not
+    implemented" from ``Work.wait(timeout)``. The watching wait must then wait on the
+    work as a whole, as torch's ``fully_shard`` does; it raised that error from the
+    first all-gather. Run in a fresh process: the backend changes process-wide state."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_threaded_pg.py")
+    done = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for rank, diff in results.items():
+        assert isinstance(diff, float) and diff <= 1e-5, f"rank {rank}: {diff}"
+
+
 # -- the encodings -----------------------------------------------------------------------------
 
 
