@@ -279,11 +279,11 @@ def _fsdp_class(cls: type[nn.Module]) -> type:
     cached = _FSDP_CLASSES.get(cls)
     if cached is not None:
         return cached
-    original_forward = cls.forward
 
-    @functools.wraps(original_forward)
+    @functools.wraps(cls.forward)
     def forward(self: FSDPModule, *args: Any, **kwargs: Any) -> Any:
         # ``self`` is an FSDP<Name> instance: installed on that class only.
+        original_forward = _original(self, "forward")
         state = self._fsdp_state
         if state.training_state is TrainingState.IDLE and any(
             not group.is_unsharded for group in state.groups
@@ -295,9 +295,9 @@ def _fsdp_class(cls: type[nn.Module]) -> type:
                 f"fsdp2.register_fsdp_forward_method(module, 'forward')."
             )
         if torch.compiler.is_compiling():
-            return original_forward(self, *args, **kwargs)
+            return original_forward(*args, **kwargs)
         try:
-            return original_forward(self, *args, **kwargs)
+            return original_forward(*args, **kwargs)
         except RuntimeError as error:
             explained = explain_sharded_call(cast(nn.Module, self), error)
             if explained is None:
@@ -306,21 +306,43 @@ def _fsdp_class(cls: type[nn.Module]) -> type:
 
     namespace: dict[str, Any] = {"forward": forward, "_fsdp_original_cls": cls}
     for name, method in _public_methods(cls).items():
-        namespace[name] = _explain_sharded_errors(method)
+        namespace[name] = _explain_sharded_errors(name, method)
     metaclass: type[type] = type(cls)  # usually ``type``; a custom metaclass is kept
     fsdp_cls = metaclass(f"FSDP{cls.__name__}", (FSDPModule, cls), namespace)
     _FSDP_CLASSES[cls] = fsdp_cls
     return fsdp_cls
 
 
+def _original(module: Any, name: str) -> Any:
+    """``module.name`` as the module's original class resolves it, bound to ``module``.
+
+    [Note: methods looked up at call time]
+    ``FSDP<Name>`` defines ``forward`` and wrappers of the class's public methods (to
+    explain calls on sharded parameters), and torch's only adds ``FSDPModule`` to the
+    class's bases, so a library that patches the original class (Liger-Kernel's
+    ``LlamaForCausalLM.forward = ...``, unsloth, test fixtures) reaches modules sharded
+    with torch whenever it patches. So the wrappers look the method up on each call,
+    past ``FSDPModule`` in the instance's MRO (``super(FSDPModule, module)``: the
+    original class and its bases, with the descriptor protocol, so a static or class
+    method patched in is bound as Python would bind it), never holding the function
+    they found when the class was made."""
+    return getattr(super(FSDPModule, module), name)
+
+
 def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
-    """Plain public methods a user class defines (not nn.Module's own, not forward)."""
+    """Plain public methods a user class defines (not nn.Module's or FSDPModule's own,
+    not forward: ``FSDPModule``'s come first in ``FSDP<Name>``'s MRO, as in torch)."""
     methods: dict[str, Callable[..., Any]] = {}
     for klass in reversed(cls.__mro__):
         if klass in (object, nn.Module) or issubclass(nn.Module, klass):
             continue
         for name, value in vars(klass).items():
-            if name.startswith("_") or name == "forward" or hasattr(nn.Module, name):
+            if (
+                name.startswith("_")
+                or name == "forward"
+                or hasattr(nn.Module, name)
+                or hasattr(FSDPModule, name)
+            ):
                 continue
             if inspect.isfunction(value):
                 methods[name] = value
@@ -329,23 +351,24 @@ def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
     return methods
 
 
-def _explain_sharded_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+def _explain_sharded_errors(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn DTensor's "mixed torch.Tensor and DTensor" error, raised when a method that
-    fully_shard's hooks do not cover computes on sharded parameters, into advice."""
+    fully_shard's hooks do not cover computes on sharded parameters, into advice. The
+    method is looked up on each call ([Note: methods looked up at call time])."""
 
     @functools.wraps(method)
     def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         try:
-            return method(self, *args, **kwargs)
+            return _original(self, name)(*args, **kwargs)
         except RuntimeError as error:
             state = fsdp_state_of(self)
             groups = state.groups if state is not None else ()
             if all(g.is_unsharded for g in groups) or "DTensor" not in str(error):
                 raise
             raise RuntimeError(
-                f"{type(self).__name__}.{method.__name__}() computed on sharded parameters: "
+                f"{type(self).__name__}.{name}() computed on sharded parameters: "
                 f"fully_shard only all-gathers around forward. Register the method with "
-                f"fsdp2.register_fsdp_forward_method(module, {method.__name__!r}), or, for "
+                f"fsdp2.register_fsdp_forward_method(module, {name!r}), or, for "
                 f"read-only use, call module.unshard() before it and module.reshard() after "
                 f"(writes to unsharded parameters are not copied back to the shards)."
             ) from error

@@ -129,6 +129,53 @@ def test_container_without_forward(impl: str, kind: type) -> None:
             fully_shard([nn.Linear(2, 2), _container(kind)])
 
 
+def _patch_after_sharding(impl: str) -> dict[str, object]:
+    """Shard a module, then patch its class (as Liger-Kernel patches
+    ``LlamaForCausalLM.forward``), then shard another module of the class."""
+    from _helpers import get_fully_shard
+
+    fully_shard = get_fully_shard(impl)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x)
+
+        def extra(self) -> str:
+            return "original"
+
+    before = Net()
+    fully_shard(before)
+
+    def patched_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * 0 + 7  # the parameters are gathered: the hooks still run
+
+    Net.forward = patched_forward  # type: ignore[method-assign]
+    Net.extra = staticmethod(lambda: "patched")  # type: ignore[method-assign,assignment]
+    after = Net()
+    fully_shard(after)
+    x = torch.ones(2, 4)
+    return {
+        "before": (before(x).eq(7).all().item(), before.extra()),
+        "after": (after(x).eq(7).all().item(), after.extra()),
+    }
+
+
+@pytest.mark.parametrize("impl", ["fsdp2", "torch"])
+def test_class_patched_after_sharding_reaches_every_module(impl: str) -> None:
+    """[Note: methods looked up at call time]: a patch of the original class reaches
+    modules sharded before and after it, as with torch's ``FSDP<Name>`` (which only adds
+    ``FSDPModule`` to the bases); fsdp2's wrappers held the functions they found when
+    the class was first made, so the patch silently did nothing."""
+    from _launcher import run_ranks
+
+    facts = run_ranks(_patch_after_sharding, 1, impl)[0]
+    assert facts == {"before": (True, "patched"), "after": (True, "patched")}, facts
+
+
 def test_needs_process_group_for_default_mesh() -> None:
     if torch.distributed.is_initialized():
         pytest.skip("a process group is initialized in this process")
