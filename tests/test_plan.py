@@ -252,6 +252,47 @@ def test_auto_takes_layers_that_differ_as_blocks() -> None:
     assert not any("attention" in str(g) for g in auto.groups)
 
 
+class _Stage(nn.Module):
+    """A vision-style stage: a projection to its width, then repeated layers."""
+
+    def __init__(self, width_in: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.project = nn.Linear(width_in, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.project(x)
+        for layer in self.layers:
+            x = x + torch.relu(layer(x))
+        return x
+
+
+class _Staged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList([_Stage(16, 32, 2), _Stage(32, 64, 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def test_auto_takes_the_layers_inside_stages_as_blocks() -> None:
+    """Stages of different widths (ConvNeXt, Swin, ResNet) are one class in a layer
+    stack, but each holds a stack of repeated layers: those are the blocks (finer units
+    that merging can still join), not the stages."""
+    with torch.device("meta"):
+        model = _Staged()
+    plan = fsdp2.plan_sharding(
+        model, world_size=8, example_inputs=torch.randn(4, 16), device_type="cpu",
+        min_group_bytes="1KiB",
+    )  # fmt: skip
+    layers = [f"stages.{s}.layers.{i}" for s, depth in ((0, 2), (1, 3)) for i in range(depth)]
+    assert [g for g in plan.groups if "layers" in str(g)] == layers, plan.groups
+    assert "stages.0" not in plan.groups and "stages.1" not in plan.groups, plan.groups
+
+
 def test_auto_keeps_tied_parameters_in_one_group() -> None:
     """The tied embedding and output (4 MiB, above the merge size) get one group together;
     the plan applies and trains (fully_shard refuses a parameter in two groups)."""

@@ -7,7 +7,10 @@
    enough: its layers are blocks even where their parameters differ, as T5's first block
    holds the relative position bias and DeepSeek's first layers are dense where the
    rest are mixture-of-experts; torchtitan and accelerate wrap each of them, and
-   descending into them would group their projections instead. Every other module with parameters that holds no block is a unit
+   descending into them would group their projections instead. Not when the layers
+   hold layer stacks of their own, as a vision model's stages of different widths hold
+   their repeated layers (ConvNeXt, Swin, ResNet): those inner layers are the blocks,
+   finer units that merging can still join. Every other module with parameters that holds no block is a unit
    too, the largest such (``tok_embeddings``, ``norm``, ``output``); a unit whose forward
    never runs (a container) gives way to its children. Units that share a parameter
    (tied weights) are one unit: fully_shard refuses a parameter in two groups.
@@ -79,17 +82,39 @@ def _signature(info: ModelInfo, m: int, shapes: bool) -> tuple[object, ...]:
     return (type(info.modules[m]), found)
 
 
+def _has_run(info: ModelInfo, m: int) -> bool:
+    """Whether container ``m`` holds two children with parameters of one class and
+    parameter shapes."""
+    kids = [c for c in info.children[m] if info.subtree_param_count(c)]
+    return len(set(_signature(info, c, shapes=True) for c in kids)) < len(kids)
+
+
+def _holds_a_layer_stack(info: ModelInfo, m: int) -> bool:
+    """Whether ``m``'s subtree holds a container of repeated layers (a ``ModuleList``,
+    ``ModuleDict`` or ``Sequential`` with a run): a vision model's stage holding its
+    layers, unlike a transformer layer, whose repeated projections are attributes."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    return any(
+        isinstance(info.modules[sub], containers) and _has_run(info, sub)
+        for sub in info.subtree(m)
+        if sub != m
+    )
+
+
 def repeated_blocks(info: ModelInfo) -> list[int]:
     """The outermost runs of sibling modules of one class and parameter shapes (of one
-    class in a layer stack: see [Note: automatic grouping])."""
+    class in a layer stack whose layers hold no layer stack: see [Note: automatic
+    grouping])."""
     blocks: list[int] = []
 
     def visit(m: int) -> None:
         kids = [c for c in info.children[m] if info.subtree_param_count(c)]
-        stack = isinstance(info.modules[m], (nn.ModuleList, nn.ModuleDict))
-        counts = Counter(_signature(info, c, shapes=not stack) for c in kids)
+        relaxed = isinstance(info.modules[m], (nn.ModuleList, nn.ModuleDict)) and not any(
+            _holds_a_layer_stack(info, c) for c in kids
+        )
+        counts = Counter(_signature(info, c, shapes=not relaxed) for c in kids)
         for c in info.children[m]:
-            if c in kids and counts[_signature(info, c, shapes=not stack)] >= 2:
+            if c in kids and counts[_signature(info, c, shapes=not relaxed)] >= 2:
                 blocks.append(c)
             else:
                 visit(c)
