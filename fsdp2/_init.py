@@ -511,19 +511,14 @@ def mark_managed_modules(modules: tuple[nn.Module, ...]) -> None:
     a rank whose sequences have all finished keeps running forwards, and so keeps
     issuing the all-gathers its peers' forwards wait for, until every rank has finished.
     Without the flags, generation with per-rank prompts or sampling leaves the ranks
-    still generating waiting on a rank that has returned."""
-    tops = set(modules)
-
-    def visit(module: nn.Module) -> None:
-        if module not in tops and getattr(module, "_fsdp_state", None) is not None:
-            return  # a nested call manages it and flagged it
-        module._is_fsdp_managed_module = True  # type: ignore[assignment]
-        module._fsdp_use_orig_params = True  # type: ignore[assignment]
-        for child in module.children():
-            visit(child)
-
+    still generating waiting on a rank that has returned. The modules are those whose
+    parameters the call collects (``_unsharded_modules``: not a nested call's, not a
+    ``replicate()`` subtree), the set torch flags."""
+    tops = _sharded_subtree_roots(modules)
     for top in modules:
-        visit(top)
+        for _, module in _unsharded_modules(top, tops):
+            module._is_fsdp_managed_module = True  # type: ignore[assignment]
+            module._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def _composable_contract() -> Any:

@@ -359,16 +359,16 @@ def _local_norm(
     unevenly sharded tensor) contribute nothing; the max norm of an empty tensor is an
     error in torch, on one rank only. The 0-"norm" returns per-tensor flags instead
     ([Note: the 0-"norm" counts whole tensors])."""
-    if norm_type == 0.0:
-        return _nonzero_flags(tensors, foreach, device, runs)
-    norms: list[torch.Tensor] = []
     # Coalesced first, then grouped: a run has one base, hence one device, and one dtype,
     # so grouping the runs groups their members (in the same order, torch's grouping).
-    for (tensor_device, tensor_dtype), group in _by_device_and_dtype(
-        coalesce_adjacent(tensors)
-    ).items():
-        if runs is not None:
+    grouped = _by_device_and_dtype(coalesce_adjacent(tensors))
+    if runs is not None:  # what scaling multiplies, for every order
+        for group in grouped.values():
             runs.extend(group)
+    if norm_type == 0.0:
+        return _nonzero_flags(tensors, foreach, device)
+    norms: list[torch.Tensor] = []
+    for (tensor_device, tensor_dtype), group in grouped.items():
         if tensor_dtype not in _COALESCED_NORM_DTYPES:  # torch's per-tensor norms
             group = [t for t in tensors if t.dtype == tensor_dtype and t.device == tensor_device]
         group = [t for t in group if t.numel() > 0]
@@ -386,10 +386,7 @@ def _local_norm(
 
 
 def _nonzero_flags(
-    tensors: list[torch.Tensor],
-    foreach: bool | None,
-    device: torch.device,
-    runs: list[torch.Tensor] | None,
+    tensors: list[torch.Tensor], foreach: bool | None, device: torch.device
 ) -> torch.Tensor:
     """One fp32 flag per tensor of ``tensors``, in an order every rank shares: 1 where
     its local part holds a nonzero element. Empty parts are flagged 0, not dropped, so
@@ -403,9 +400,6 @@ def _nonzero_flags(
     ranks is one tensor, and a coalesced run holds several. So the 0-"norm" keeps one
     flag per tensor, not coalesced, takes the ``MAX`` of each flag over the tensor's
     sharded dims (nonzero anywhere), and counts the flags."""
-    if runs is not None:  # scaling still runs over the coalesced tensors
-        for _, group in _by_device_and_dtype(coalesce_adjacent(tensors)).items():
-            runs.extend(group)
     flags: list[torch.Tensor] = []
     for (tensor_device, _), group in _by_device_and_dtype(tensors).items():
         if _use_foreach(group, tensor_device, foreach):
